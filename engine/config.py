@@ -1,0 +1,185 @@
+"""Engine configuration: one pydantic model per concern, assembled into `EngineConfig`.
+
+Users meet these settings as flat keyword arguments (`LLM(max_num_seqs=64)`), flat YAML keys and
+dashed CLI flags (`--max-num-seqs`). Every flat key belongs to exactly one section, so
+`EngineConfig.from_flat` routes it there, and an unknown key is an error that names it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+ExecutorBackend = Literal["uni", "mp", "ray"]
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_memory_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "4GiB", "512 MB" or "1e9"."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read {value!r} as a memory size: use bytes or a string like '4GiB'")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which weights to run, in which precision, on which device."""
+
+    model: str | None = Field(
+        None,
+        description="Hugging Face folder (config.json + safetensors) or GGUF file; "
+        "None means the packaged SmolLM2-135M-Instruct GGUF",
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to the model's own")
+    dtype: DType = Field(
+        "auto", description="Weight and activation dtype; auto picks the checkpoint's 16-bit type"
+    )
+    seed: int = Field(0, description="Seed of the random sampler for requests without their own seed")
+    max_model_len: int | None = Field(
+        None, gt=0, description="Longest prompt plus output, in tokens; defaults to the model's context"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present")
+
+
+class CacheConfig(_Section):
+    """How the paged KV cache is laid out and sized."""
+
+    block_size: int = Field(16, gt=0, le=1024, description="Tokens per KV cache block")
+    enable_prefix_caching: bool = Field(True, description="Share full blocks between equal prefixes")
+    kv_cache_memory: int | None = Field(
+        None, description="Bytes for the KV cache on the CPU (int or string like '4GiB'); default 4GiB"
+    )
+    num_kv_blocks: int | None = Field(
+        None, gt=0, description="Exact number of KV blocks; overrides the memory-based sizing"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Share of GPU memory the engine may use on CUDA"
+    )
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _parse_size(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        size = parse_memory_size(value)
+        if size <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        return size
+
+
+class SchedulerConfig(_Section):
+    """Limits of one continuous-batching step."""
+
+    max_num_seqs: int = Field(256, gt=0, description="Most requests in one step")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one step")
+
+
+class ParallelConfig(_Section):
+    """How the model is split across workers."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="Workers sharing each layer")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Stages the layers are split into")
+    distributed_executor_backend: ExecutorBackend | None = Field(
+        None, description="uni, mp or ray; None picks uni for one worker, mp for several"
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+}
+
+
+class EngineConfig(BaseModel):
+    """Everything an engine needs, grouped by the component that reads it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @model_validator(mode="after")
+    def _check_batch_limits(self) -> EngineConfig:
+        if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.scheduler.max_num_seqs}) so that every running request can decode"
+            )
+        return self
+
+    @staticmethod
+    def flat_fields() -> dict[str, tuple[str, FieldInfo]]:
+        """Every flat key -> (its section, its pydantic field)."""
+        return {
+            name: (section, info)
+            for section, model in _SECTIONS.items()
+            for name, info in model.model_fields.items()
+        }
+
+    @classmethod
+    def from_flat(cls, **settings: Any) -> EngineConfig:
+        """Build from flat keys (LLM keyword arguments, YAML keys, CLI flags)."""
+        owners = cls.flat_fields()
+        grouped: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
+        for key, value in settings.items():
+            if key not in owners:
+                raise ValueError(
+                    f"unknown engine config key {key!r}; known keys: {', '.join(sorted(owners))}"
+                )
+            grouped[owners[key][0]][key] = value
+        return cls(**{section: _SECTIONS[section](**values) for section, values in grouped.items()})
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+        """Load a flat YAML mapping; keyword overrides win over the file."""
+        return cls.from_flat(**{**load_yaml_mapping(path), **overrides})
+
+    def to_flat(self) -> dict[str, Any]:
+        return {
+            key: value for section in _SECTIONS for key, value in getattr(self, section).model_dump().items()
+        }
+
+
+def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping, with an error that names the file otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"config file {path} must hold a mapping of engine settings, got {type(data).__name__}"
+        )
+    return data

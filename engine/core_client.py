@@ -1,0 +1,29 @@
+"""How a front end talks to an EngineCore. This build has the in-process client."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.outputs import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+
+
+class InprocClient:
+    """Runs the EngineCore in the caller's process and thread: each `get_output` is one step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine_core = EngineCore(config)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.engine_core.step()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.get_stats()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,61 @@
+"""The interface every executor shares, whatever runs its workers (this process, subprocesses, Ray)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(abc.ABC):
+    """Drives the workers of one engine through remote calls by method name."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        parallel = config.parallel
+        backend = parallel.distributed_executor_backend or ("uni" if parallel.world_size == 1 else "mp")
+        if backend == "uni":
+            if parallel.world_size > 1:
+                raise ValueError(
+                    f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size x "
+                    f"pipeline_parallel_size = {parallel.world_size}"
+                )
+            from engine.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor
+        raise ValueError(
+            f"distributed_executor_backend={backend!r} is not available in this build yet (only 'uni')"
+        )
+
+    @abc.abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers, load the model."""
+
+    @abc.abstractmethod
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call `method` on every worker; their results in rank order."""
+
+    def initialize_kv_cache(self) -> int:
+        """Size the cache (the smallest worker decides, so one scheduler drives all) and allocate it."""
+        num_blocks = min(self.collective_rpc("determine_num_kv_blocks"))
+        self.collective_rpc("initialize_cache", (num_blocks,))
+        return num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        outputs = self.collective_rpc("execute_model", (scheduler_output,))
+        return next(output for output in outputs if output is not None)
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health")
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers; safe to call twice."""

@@ -1,0 +1,92 @@
+"""Prompts in, validated `EngineCoreRequest`s out: tokenization and every check happen here,
+before a request reaches the scheduler, so a bad request never disturbs the others."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Union
+
+import msgspec
+from transformers import PreTrainedTokenizerBase
+
+from engine.outputs import EngineCoreRequest
+from engine.sampling_params import SamplingParams
+
+# A string, {"prompt": str} or {"prompt_token_ids": [int, ...]} (optionally with "prompt" for display).
+PromptType = Union[str, Mapping[str, Any]]  # noqa: UP007 (a runtime alias must work on Python 3.10 too)
+
+
+class InputProcessor:
+    """Tokenizes and validates prompts for one model."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_id: int | None,
+        extra_eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        # Further end-of-sequence ids from the generation config stop a request like stop_token_ids.
+        self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != eos_token_id)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text if known, prompt token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list | tuple) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
+        raise ValueError(
+            f"prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, got {type(prompt).__name__}"
+        )
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self._check_prompt(token_ids)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            stop_ids = list(dict.fromkeys([*(params.stop_token_ids or ()), *self.extra_eos_token_ids]))
+            params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
+        return request, text
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty: it has 0 tokens")
+        out_of_vocab = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if out_of_vocab:
+            raise ValueError(
+                f"prompt_token_ids: token id {out_of_vocab[0]} is out of vocabulary (valid ids are 0 to {self.vocab_size - 1})"
+            )
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(token_ids)}) is longer than the maximum model length of "
+                f"{self.max_model_len} (max_model_len). Make sure that `max_model_len` is no smaller than "
+                "the number of text tokens."
+            )

@@ -1,0 +1,140 @@
+"""LLM: offline batch generation with vLLM's names, so that user code carries over."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.input_processor import PromptType
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline inference.
+
+    `LLM(model=None, **settings)`: `model` is a Hugging Face folder or a GGUF file (None: the packaged
+    SmolLM2-135M-Instruct); `settings` are the flat engine settings with vLLM's names and defaults
+    (dtype="auto", seed=0, max_model_len=None, block_size=16, max_num_seqs=256,
+    max_num_batched_tokens=2048, enable_prefix_caching=True, kv_cache_memory=None, num_kv_blocks=None,
+    gpu_memory_utilization=0.9, tensor_parallel_size=1, pipeline_parallel_size=1,
+    distributed_executor_backend=None, device="auto"); see `engine.config` for every one.
+    """
+
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_flat(model=model, **settings))
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_config(cls, path: str | Path, **overrides: Any) -> LLM:
+        """An LLM from a flat YAML engine config (such as configs/engine/smollm2.yaml)."""
+        settings = EngineConfig.from_yaml(path, **overrides).to_flat()
+        return cls(**settings)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in input order."""
+        prompt_list = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
+        return self._run(prompt_list, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            # The template already wrote the special tokens; tokenizing must not add them twice.
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def get_stats(self) -> dict[str, Any]:
+        """Running and waiting requests, KV cache usage and size, preemptions, prefix-cache counters."""
+        return self.llm_engine.get_stats()
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        params = self._expand_params(sampling_params, len(prompts))
+        request_ids = self._add_requests(prompts, params)
+        return self._run_engine(request_ids, use_tqdm)
+
+    @staticmethod
+    def _expand_params(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(
+                f"sampling_params: got {len(params)} for {count} prompts; pass one, or one per prompt"
+            )
+        return params
+
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        """Queue every request, or none: a bad prompt withdraws the ones already queued."""
+        request_ids: list[str] = []
+        try:
+            for prompt, param in zip(prompts, params, strict=True):
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(request_id, prompt, param)
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return request_ids
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        input_tokens = output_tokens = 0
+        with bar:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    input_tokens += len(output.prompt_token_ids)
+                    output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(
+                        f"est. speed input: {input_tokens / elapsed:.2f} toks/s, output: {output_tokens / elapsed:.2f} toks/s"
+                    )
+                    bar.update(1)
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,178 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) for paged attention.
+
+Built from `parallel/` layers, so the same code runs sharded under tensor parallelism: this file
+never computes a rank. The forward pass takes a flat batch, `forward(input_ids, positions)`; the
+batch layout reaches attention through the forward context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.models.arch_config import ArchConfig
+from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul
+from parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+# Checkpoint projections that live inside one fused parameter: (fused, original, shard id).
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention block: fused QKV projection, rotary embedding, paged attention, output projection."""
+
+    def __init__(
+        self, config: ArchConfig, layer_index: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias, dtype
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, config.o_bias, dtype
+        )
+        self.rotary_emb = rotary_emb
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.attn = PagedAttention(layer_index, self.num_heads, self.num_kv_heads, config.head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self.rotary_emb(
+            positions, q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        )
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    """Gated feed-forward block: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], config.mlp_bias, dtype
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block; the residual stream is carried alongside the hidden states."""
+
+    def __init__(
+        self, config: ArchConfig, layer_index: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, rotary_emb, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm."""
+
+    def __init__(self, config: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        # One cos/sin table for all layers: at long contexts it is large.
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary_emb, dtype) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal language model: hidden states from `forward`, logits from `compute_logits`."""
+
+    def __init__(self, config: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint tensors by Hugging Face name; every parameter must be filled exactly."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (
+                self.config.tie_word_embeddings and name == "lm_head.weight"
+            ):
+                continue
+            for fused, original, shard_id in _STACKED_PARAMS:
+                if f".{original}." in name:
+                    target = name.replace(f".{original}.", f".{fused}.")
+                    self._param(params, target, name).weight_loader(params[target], tensor, shard_id)
+                    loaded.add(f"{target}:{shard_id}")
+                    break
+            else:
+                self._param(params, name, name).weight_loader(params[name], tensor)
+                loaded.add(name)
+        missing = sorted(_expected_entries(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:5]}")
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], target: str, checkpoint_name: str) -> nn.Parameter:
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no place in this model")
+        return params[target]
+
+
+def _expected_entries(params: dict[str, nn.Parameter]) -> set[str]:
+    """Every parameter, and every shard of each fused one, that a checkpoint must provide."""
+    expected: set[str] = set()
+    for name in params:
+        shards = [shard for fused, _, shard in _STACKED_PARAMS if f".{fused}." in name]
+        expected.update([f"{name}:{shard}" for shard in shards] or [name])
+    return expected

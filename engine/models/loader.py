@@ -1,0 +1,52 @@
+"""Builds a model for this rank and streams its checkpoint in, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.models.arch_config import ArchConfig
+from engine.models.model_files import ModelSource
+from engine.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The shards named by model.safetensors.index.json, or every *.safetensors file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / name for name in names]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def iterate_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, reader.get_tensor(name)
+
+
+def iterate_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.format == "gguf":
+        from engine.models.gguf_loader import iterate_gguf_weights
+
+        return iterate_gguf_weights(source.path)
+    return iterate_safetensors_weights(source.path)
+
+
+def load_model(source: ModelSource, arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Instantiate the architecture's model in `dtype` on `device` and fill it from the checkpoint."""
+    model_class = get_model_class(arch.architecture, source.path)
+    with torch.device(device):
+        model = model_class(arch, dtype)
+    model.load_weights(iterate_weights(source))
+    logger.info("loaded %s (%s, %s) from %s", arch.architecture, dtype, device, source.path)
+    return model.eval()

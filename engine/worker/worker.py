@@ -1,0 +1,105 @@
+"""One worker: a device, a shard of the model, its KV cache and the model runner driving both.
+
+Executors call these methods by name (`collective_rpc`), in this order: `init_device`,
+`load_model`, `determine_num_kv_blocks`, `initialize_cache`, then `execute_model` every step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.models.model_files import read_arch_config, resolve_model_source
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.worker.cache_engine import CacheEngine
+from engine.worker.memory import DEFAULT_CPU_KV_CACHE_BYTES, GiB, profile_cuda_memory, profile_host_memory
+from engine.worker.model_runner import ModelRunner
+from parallel.state import get_parallel_state, init_model_parallel
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """A single rank of the engine."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.device = torch.device("cpu")
+        self.model_runner: ModelRunner | None = None
+        self.cache_engine: CacheEngine | None = None
+
+    def init_device(self) -> None:
+        if self.config.model.device == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        parallel = self.config.parallel
+        init_model_parallel(
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            self.rank,
+            self.distributed_init_method,
+        )
+        arch = read_arch_config(resolve_model_source(self.config.model.model))
+        self.model_runner = ModelRunner(self.config, arch, self.device)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks this worker can hold after a profiling pass at the batch limits."""
+        cache = self.config.cache
+        runner = self.model_runner
+        block_bytes = CacheEngine.bytes_per_block(cache.block_size, runner.kv_cache_spec(), runner.dtype)
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if self.device.type == "cuda":
+            budget = profile_cuda_memory(
+                runner.profile_run, self.device, cache.gpu_memory_utilization
+            ).available_after
+        else:
+            profile = profile_host_memory(runner.profile_run)
+            budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+            # Leave the host headroom for the activations the profile measured, plus 10%.
+            room = int((profile.available_after - profile.peak_bytes) * 0.9)
+            if budget > room:
+                logger.warning(
+                    "kv_cache_memory of %.2f GiB does not fit beside the profiled peak; using %.2f GiB",
+                    budget / GiB,
+                    room / GiB,
+                )
+                budget = room
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: one block needs {block_bytes} bytes, {max(budget, 0)} are left; "
+                "lower max_num_batched_tokens / max_num_seqs or raise kv_cache_memory / gpu_memory_utilization"
+            )
+        return int(num_blocks)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        runner = self.model_runner
+        self.cache_engine = CacheEngine(
+            num_blocks, self.config.cache.block_size, runner.kv_cache_spec(), runner.dtype, self.device
+        )
+        runner.kv_caches = self.cache_engine.kv_caches
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        output = self.model_runner.execute_model(scheduler_output)
+        return output if get_parallel_state().is_driver else None
+
+    def kv_cache_shapes(self) -> dict[int, tuple[int, ...]]:
+        return {layer: tuple(cache.shape) for layer, cache in self.cache_engine.kv_caches.items()}
+
+    def check_health(self) -> None:
+        """A worker that can answer is healthy; executors detect the ones that cannot."""

@@ -1,0 +1,6 @@
+"""Attention over the paged KV cache: a reference implementation and faster backends."""
+
+from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.selector import AttentionBackend, get_attention_backend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

@@ -1,0 +1,33 @@
+"""What an attention backend needs to know about one step's batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Layout of a flattened batch of sequences over the paged KV cache.
+
+    Tokens of sequence i are query rows query_start_loc[i]:query_start_loc[i+1]. Its first
+    seq_lens[i] - query_len tokens are already in the cache (the context), the rest are computed
+    now. The first `num_decodes` sequences have exactly one query token each (the model runner puts
+    decodes first), which lets a backend batch them.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int64: physical block of each logical block
+    seq_lens: torch.Tensor  # [num_seqs] int64: context + new tokens
+    query_start_loc: list[int]  # num_seqs + 1 offsets into the token rows
+    seq_lens_list: list[int]  # seq_lens on the host, for per-sequence loops
+    num_decodes: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    def query_len(self, index: int) -> int:
+        return self.query_start_loc[index + 1] - self.query_start_loc[index]

@@ -1,0 +1,200 @@
+"""Megatron-style sharded layers. Each parameter carries a `weight_loader` that cuts this rank's slice
+out of the full checkpoint tensor, so model files never compute ranks.
+
+Column-parallel layers split their output features, row-parallel layers their input features (and
+all-reduce the partial sums); the embedding and LM head split the vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.comm import tensor_parallel_all_gather, tensor_parallel_all_reduce
+from parallel.state import get_parallel_state
+
+WeightLoader = Callable[..., None]
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+    return numerator // denominator
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"{name}: checkpoint slice has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+def _parameter(shape: Sequence[int], loader: WeightLoader, dtype: torch.dtype | None) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Loader of a parameter every rank holds whole (norms, replicated layers)."""
+    _copy_checked(param, loaded, "replicated parameter")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows; each rank returns its slice of y."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        state = get_parallel_state()
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        self.input_size = input_size
+        self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
+        self.weight = _parameter((self.output_size_per_partition, input_size), self.weight_loader, dtype)
+        self.bias = _parameter((self.output_size_per_partition,), self.weight_loader, dtype) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        _copy_checked(param, loaded.narrow(0, self.tp_rank * size, size), "column-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (gate and up)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _copy_checked(
+            param.data.narrow(0, offset, size),
+            loaded.narrow(0, self.tp_rank * size, size),
+            f"merged column shard {shard_id}",
+        )
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul, split by attention head.
+
+    With grouped-query attention each rank keeps num_kv_heads / tp_size KV heads; when there are
+    fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        tp_size = get_parallel_state().tp_size
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "number of attention heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "number of KV heads")
+            self.kv_replicas = 1
+        else:
+            self.kv_replicas = _divide(tp_size, num_kv_heads, "tensor_parallel_size over KV heads")
+            self.num_kv_heads = 1
+        local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, local * tp_size, bias, dtype)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        else:
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        _copy_checked(
+            param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"{shard_id} proj"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns; the partial sums are all-reduced."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        state = get_parallel_state()
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
+        self.weight = _parameter((output_size, self.input_size_per_partition), self.weight_loader, dtype)
+        self.bias = _parameter((output_size,), default_weight_loader, dtype) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[1]
+        _copy_checked(param, loaded.narrow(1, self.tp_rank * size, size), "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = tensor_parallel_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split in contiguous ranges across ranks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        state = get_parallel_state()
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        self.num_embeddings = num_embeddings
+        self.per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.per_partition
+        self.vocab_end = min(self.vocab_start + self.per_partition, num_embeddings)
+        self.weight = _parameter((self.per_partition, embedding_dim), self.weight_loader, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"vocabulary: checkpoint has {loaded.shape[0]} rows, config says {self.num_embeddings}"
+            )
+        rows = self.vocab_end - self.vocab_start
+        param.data.zero_()
+        _copy_checked(param.data[:rows], loaded[self.vocab_start : self.vocab_end], "embedding")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        embedded = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return tensor_parallel_all_reduce(embedded)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection onto a vocabulary split like the embedding; logits gathered for sampling."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = tensor_parallel_all_gather(F.linear(hidden, self.weight), dim=-1)
+        return logits[..., : self.num_embeddings]
