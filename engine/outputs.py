@@ -87,6 +87,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Tokens whose KV the running requests hold, and the slots of the blocks allocated to them:
+    # their ratio is the KV cache's utilization (the paper's measure of waste).
+    kv_tokens_held: int = 0
+    kv_slots_allocated: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -160,14 +160,17 @@ class Scheduler:
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
 
     def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage(),
-            num_kv_blocks=self.kv_cache_manager.num_blocks,
+            kv_cache_usage=kv.usage(),
+            num_kv_blocks=kv.num_blocks,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            kv_tokens_held=sum(request.num_computed_tokens for request in self.running),
+            kv_slots_allocated=(kv.num_blocks - kv.num_free_blocks) * self.block_size,
         )
 
     # ---- helpers -------------------------------------------------------------------------------
