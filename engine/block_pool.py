@@ -126,9 +126,10 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks that reach zero join the free queue in the given order."""
         for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt < 0:
+            # Check before decrementing: a failed free must not leave a negative count behind.
+            if block.ref_cnt <= 0:
                 raise RuntimeError(f"{block} freed more often than it was taken")
+            block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 

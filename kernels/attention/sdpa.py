@@ -36,21 +36,30 @@ def sdpa_attention(
 def _decode(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """One query token per sequence, all sequences in one padded batch."""
-    num_seqs = meta.num_decodes
-    seq_lens = meta.seq_lens[:num_seqs]
+    """One query token per sequence, all sequences in one padded batch.
+
+    The query heads that share a KV head are passed as that head's queries ([seqs, kv_heads,
+    group, dim]): a decode token's mask is the same for all of them, and this avoids the much
+    slower grouped-query path of SDPA.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[-2]
     max_len = max(meta.seq_lens_list[:num_seqs])
     num_blocks = -(-max_len // meta.block_size)
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    block_ids = meta.block_table[:num_seqs, :num_blocks]
     # [2, seqs, blocks, block_size, kv_heads, dim] -> [2, seqs, kv_heads, tokens, dim]
-    kv = kv_cache[:, block_ids].reshape(2, num_seqs, -1, num_kv_heads, head_dim)[:, :, :max_len]
-    keys, values = kv.transpose(2, 3).unbind(0)
-    mask = (torch.arange(max_len, device=query.device) < seq_lens.unsqueeze(1)).view(num_seqs, 1, 1, max_len)
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    kv = kv_cache[:, meta.block_table[:num_seqs, :num_blocks]]
+    keys, values = (
+        kv.reshape(2, num_seqs, -1, num_kv_heads, head_dim)[:, :, :max_len].transpose(2, 3).unbind(0)
     )
-    return out.squeeze(2)
+    mask = torch.arange(max_len, device=query.device) < meta.seq_lens[:num_seqs].unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
+        keys.to(query.dtype),
+        values.to(query.dtype),
+        attn_mask=mask.view(num_seqs, 1, 1, max_len),
+        scale=scale,
+    )
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill(

@@ -1,0 +1,1 @@
+"""`raypage bench ...`: benchmarks that print a summary and write their results as JSON."""

@@ -1,0 +1,191 @@
+"""`raypage bench throughput`: offline throughput on seeded random prompts.
+
+Prompts are random token ids (drawn from [100, 40000), as in the shared offline benchmark), decoded
+greedily with ignore_eos so every run produces exactly the requested number of tokens. The engine is
+stepped directly, so that its KV-cache statistics can be read after every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from cluster.engine_args import add_engine_args
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+# Token ids are drawn from this range: clear of the special tokens at the start of the vocabulary.
+TOKEN_ID_RANGE = (100, 40000)
+# The untimed warm-up: short, and its prompts differ from the workload's so the prefix cache stays cold.
+WARMUP_PROMPTS = [list(range(100, 132)), list(range(200, 232))]
+WARMUP_TOKENS = 4
+
+# A workload: one (prompt token ids, output length) pair per request.
+Workload = list[tuple[list[int], int]]
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    """Register `throughput` under `raypage bench`."""
+    parser = benchmarks.add_parser(
+        "throughput",
+        help="offline throughput on random prompts",
+        description="Offline throughput on seeded random prompts (greedy, ignore_eos). "
+        "The engine's --seed also seeds the workload.",
+    )
+    parser.add_argument("--num-prompts", type=_positive_int, default=64, help="requests (default: 64)")
+    parser.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens (default: 128)")
+    parser.add_argument("--output-len", type=_positive_int, default=128, help="output tokens (default: 128)")
+    parser.add_argument(
+        "--range-ratio",
+        type=_ratio,
+        default=0.0,
+        help="lengths are drawn uniformly from [len*(1-r), len*(1+r)] (default: 0.0, fixed lengths)",
+    )
+    parser.add_argument(
+        "--output-json",
+        type=Path,
+        metavar="PATH",
+        help="results file (default: bench-results/throughput-<timestamp>.json)",
+    )
+    add_engine_args(parser)
+    parser.set_defaults(handler=run, command_parser=parser)
+
+
+def make_workload(
+    num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> Workload:
+    """Seeded random prompts and output lengths."""
+    rng = random.Random(seed)
+
+    def draw_length(mean: int) -> int:
+        low = max(1, int(mean * (1 - range_ratio)))
+        return rng.randint(low, max(low, int(mean * (1 + range_ratio))))
+
+    workload = []
+    for _ in range(num_prompts):
+        prompt = [rng.randrange(*TOKEN_ID_RANGE) for _ in range(draw_length(input_len))]
+        workload.append((prompt, draw_length(output_len)))
+    return workload
+
+
+def measure(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
+    """After an untimed warm-up, run the workload: throughput, peak KV-cache utilization, time."""
+    _run_to_completion(engine, [(prompt, WARMUP_TOKENS) for prompt in WARMUP_PROMPTS], "warmup")
+    start = time.perf_counter()
+    output_tokens, peak_utilization = _run_to_completion(engine, workload, "bench")
+    elapsed = time.perf_counter() - start
+    expected = sum(length for _, length in workload)
+    if output_tokens != expected:
+        raise RuntimeError(f"the engine produced {output_tokens} tokens, expected {expected}")
+    input_tokens = sum(len(prompt) for prompt, _ in workload)
+    return {
+        "requests_per_s": len(workload) / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
+        "peak_kv_cache_utilization": peak_utilization,
+        "elapsed_s": elapsed,
+        "num_preemptions": engine.get_stats()["num_preemptions"],
+    }
+
+
+def _run_to_completion(engine: LLMEngine, workload: Workload, id_prefix: str) -> tuple[int, float | None]:
+    """(output tokens produced, peak of KV tokens held / KV slots allocated over the steps)."""
+    for index, (prompt, max_tokens) in enumerate(workload):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(f"{id_prefix}-{index}", {"prompt_token_ids": prompt}, params)
+    output_tokens = 0
+    peak: float | None = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                output_tokens += len(output.outputs[0].token_ids)
+        stats = engine.get_stats()
+        # A step that freed every block has nothing to measure. (Requests sharing prefix-cached
+        # blocks would count those tokens once each but the slots once, so the ratio could pass 1;
+        # random prompts share none.)
+        if stats["kv_slots_allocated"] > 0:
+            utilization = stats["kv_tokens_held"] / stats["kv_slots_allocated"]
+            peak = utilization if peak is None else max(peak, utilization)
+    return output_tokens, peak
+
+
+def run(args: argparse.Namespace, settings: dict[str, Any]) -> None:
+    """Handler of `raypage bench throughput`: measure, print a summary, write the JSON results."""
+    engine = LLMEngine(EngineConfig.from_flat(**settings))
+    try:
+        engine_settings = engine.config.to_flat()  # resolved: model path, device, dtype, max_model_len
+        workload_settings = {
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "range_ratio": args.range_ratio,
+            "seed": engine_settings["seed"],
+        }
+        workload = make_workload(**workload_settings)
+        _check_fits(workload, engine)
+        results = measure(engine, workload)
+    finally:
+        engine.shutdown()
+    workload_settings["total_input_tokens"] = sum(len(prompt) for prompt, _ in workload)
+    workload_settings["total_output_tokens"] = sum(length for _, length in workload)
+    print_summary(results)
+    now = datetime.now().astimezone()
+    path = args.output_json or Path("bench-results") / f"throughput-{now:%Y%m%d-%H%M%S}.json"
+    record = {
+        "benchmark": "throughput",
+        "timestamp": now.isoformat(timespec="seconds"),
+        **results,
+        "workload": workload_settings,
+        "engine": engine_settings,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"Results written to {path}")
+
+
+def _check_fits(workload: Workload, engine: LLMEngine) -> None:
+    """Exit with a clear message when a request would be cut short (its tokens would not count)."""
+    longest = max(len(prompt) + output_len for prompt, output_len in workload)
+    max_model_len = engine.config.model.max_model_len
+    kv_capacity = engine.get_stats()["num_kv_blocks"] * engine.config.cache.block_size
+    if longest > min(max_model_len, kv_capacity):
+        raise SystemExit(
+            f"raypage bench throughput: error: the longest request needs {longest} tokens, but "
+            f"max_model_len is {max_model_len} and the whole KV cache holds {kv_capacity}"
+        )
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    """The headline numbers, one per line."""
+    peak = results["peak_kv_cache_utilization"]
+    print(
+        f"Throughput: {results['requests_per_s']:.2f} requests/s, "
+        f"{results['output_tokens_per_s']:.1f} output tokens/s, "
+        f"{results['total_tokens_per_s']:.1f} total tokens/s"
+    )
+    print(f"Peak KV-cache utilization: {'n/a' if peak is None else f'{peak:.1%}'}")
+    print(f"Elapsed: {results['elapsed_s']:.2f} s ({results['num_preemptions']} preemptions)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value

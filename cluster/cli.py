@@ -1,0 +1,111 @@
+"""The `raypage` command: generate, chat and bench (serve and api-server are to come).
+
+raypage generate "The capital of France is" --max-tokens 16
+raypage chat "Name three colors." --system "You are terse." --dtype float32
+raypage bench throughput --num-prompts 64 --input-len 128 --output-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cluster.bench import throughput
+from cluster.engine_args import add_engine_args, engine_settings_from_args
+from engine import LLM, SamplingParams
+
+# A handler gets the parsed arguments and the checked flat engine settings.
+Handler = Callable[[argparse.Namespace, dict[str, Any]], None]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command tree.
+
+    Each leaf command sets `handler`, `command_parser` (for its usage line in errors) and optionally
+    `check_args`, which raises ValueError on bad arguments before any weights are loaded.
+    """
+    parser = argparse.ArgumentParser(prog="raypage", description="raypage LLM serving engine")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    generate = commands.add_parser(
+        "generate", help="complete one prompt", description="Print the completion of one prompt."
+    )
+    generate.add_argument("prompt", help="text to complete")
+    _add_sampling_args(generate)
+    add_engine_args(generate)
+    generate.set_defaults(handler=run_generate, command_parser=generate, check_args=_sampling_params)
+
+    chat = commands.add_parser(
+        "chat",
+        help="reply to one chat message",
+        description="Print the model's reply to one message, rendered with its chat template.",
+    )
+    chat.add_argument("message", help="the user's message")
+    chat.add_argument("--system", metavar="TEXT", help="system prompt")
+    _add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(handler=run_chat, command_parser=chat, check_args=_sampling_params)
+
+    bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks with JSON results.")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    throughput.add_parser(benchmarks)
+    return parser
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "sampling", "Per-request sampling; the engine's --seed seeds the sampler."
+    )
+    group.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    group.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0, for repeatable output)"
+    )
+    # Unset filters keep SamplingParams' own defaults (no filtering).
+    group.add_argument("--top-p", type=float, default=argparse.SUPPRESS, help="nucleus sampling mass")
+    group.add_argument("--top-k", type=int, default=argparse.SUPPRESS, help="sample from the k likeliest")
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    filters = {name: getattr(args, name) for name in ("top_p", "top_k") if hasattr(args, name)}
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, **filters)
+
+
+def run_generate(args: argparse.Namespace, settings: dict[str, Any]) -> None:
+    """Print the completion of `args.prompt`."""
+    params = _sampling_params(args)
+    llm = LLM(**settings)
+    output = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    print(output.outputs[0].text)
+
+
+def run_chat(args: argparse.Namespace, settings: dict[str, Any]) -> None:
+    """Print the reply to `args.message` (after `args.system` when given)."""
+    params = _sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.message})
+    llm = LLM(**settings)
+    output = llm.chat(messages, params, use_tqdm=False)[0]
+    print(output.outputs[0].text)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `raypage` console script."""
+    args = build_parser().parse_args(argv)
+    command_parser: argparse.ArgumentParser = args.command_parser
+    try:
+        settings = engine_settings_from_args(args)
+        check_args = getattr(args, "check_args", None)
+        if check_args is not None:
+            check_args(args)
+    except ValueError as exc:
+        command_parser.error(str(exc))  # exits with status 2, after the command's usage line
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    handler: Handler = args.handler
+    handler(args, settings)
+
+
+if __name__ == "__main__":
+    main()

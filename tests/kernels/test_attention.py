@@ -1,0 +1,109 @@
+"""Paged attention: the reference against plain dense causal attention, the SDPA backend against
+the reference, on batches that mix decodes, fresh prefills and chunks with cached context."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.attention import AttentionMetadata, get_attention_backend
+from kernels.cache_ops import copy_blocks, reshape_and_cache
+
+HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int) -> torch.Tensor:
+    """Textbook attention of queries at positions context.. over keys 0..; no paging at all."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = torch.empty_like(q)
+    for row in range(q.shape[0]):
+        visible = context + row + 1
+        for head in range(q.shape[1]):
+            scores = k[:visible, head] @ q[row, head] / math.sqrt(q.shape[-1])
+            out[row, head] = torch.softmax(scores, dim=0) @ v[:visible, head]
+    return out
+
+
+def build_batch(seq_specs, num_blocks=64, seed=0, dtype=torch.float32):
+    """seq_specs: (context, query_len) per sequence. Returns everything a backend call needs,
+    plus each sequence's full keys/values for the dense check. Blocks are scattered at random."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, DIM, dtype=dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, queries, new_keys, new_values, full_kv, slots = [], [], [], [], [], []
+    for context, query_len in seq_specs:
+        total = context + query_len
+        blocks = [free.pop() for _ in range(-(-total // BLOCK))]
+        tables.append(blocks)
+        k = torch.randn(total, KV_HEADS, DIM, generator=gen, dtype=dtype)
+        v = torch.randn(total, KV_HEADS, DIM, generator=gen, dtype=dtype)
+        full_kv.append((k, v))
+        # The context is already in the cache; the new tokens arrive with the step.
+        for pos in range(context):
+            cache[0, blocks[pos // BLOCK], pos % BLOCK] = k[pos]
+            cache[1, blocks[pos // BLOCK], pos % BLOCK] = v[pos]
+        slots += [blocks[pos // BLOCK] * BLOCK + pos % BLOCK for pos in range(context, total)]
+        queries.append(torch.randn(query_len, HEADS, DIM, generator=gen, dtype=dtype))
+        new_keys.append(k[context:])
+        new_values.append(v[context:])
+    width = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    starts = [0]
+    for _, query_len in seq_specs:
+        starts.append(starts[-1] + query_len)
+    seq_lens = [c + q for c, q in seq_specs]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_table=block_table,
+        seq_lens=torch.tensor(seq_lens),
+        query_start_loc=starts,
+        seq_lens_list=seq_lens,
+        # The leading run of single-token sequences is the decode batch.
+        num_decodes=next((i for i, (_, q) in enumerate(seq_specs) if q != 1), len(seq_specs)),
+        block_size=BLOCK,
+    )
+    return torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), cache, meta, full_kv
+
+
+# decodes first (as the model runner orders them), then a fresh prefill, then chunks with context
+MIXED = [(7, 1), (0, 1), (12, 1), (0, 9), (5, 6), (8, 1 + 2)]
+
+
+def test_reference_equals_dense_attention():
+    q, k, v, cache, meta, full_kv = build_batch(MIXED)
+    out = get_attention_backend("reference")(q, k, v, cache, meta, DIM**-0.5)
+    for i, (context, _) in enumerate(MIXED):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        expected = dense_causal_attention(q[start:end], *full_kv[i], context)
+        torch.testing.assert_close(out[start:end], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_sdpa_backend_equals_reference(dtype, tol):
+    q, k, v, cache, meta, _ = build_batch(MIXED, dtype=dtype)
+    expected = get_attention_backend("reference")(q, k, v, cache.clone(), meta, DIM**-0.5)
+    out = get_attention_backend("sdpa")(q, k, v, cache, meta, DIM**-0.5)
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+def test_new_tokens_are_written_to_their_slots():
+    q, k, v, cache, meta, full_kv = build_batch(MIXED)
+    get_attention_backend("sdpa")(q, k, v, cache, meta, DIM**-0.5)
+    for i, (context, query_len) in enumerate(MIXED):
+        for pos in range(context + query_len):
+            block = meta.block_table[i, pos // BLOCK]
+            torch.testing.assert_close(cache[0, block, pos % BLOCK], full_kv[i][0][pos])
+            torch.testing.assert_close(cache[1, block, pos % BLOCK], full_kv[i][1][pos])
+
+
+def test_reshape_and_cache_and_copy_blocks():
+    cache = torch.zeros(2, 4, BLOCK, KV_HEADS, DIM)
+    key, value = torch.randn(3, KV_HEADS, DIM), torch.randn(3, KV_HEADS, DIM)
+    reshape_and_cache(key, value, cache, torch.tensor([5, 6, 13]))  # block 1 offsets 1, 2; block 3 offset 1
+    torch.testing.assert_close(cache[0, 1, 1], key[0])
+    torch.testing.assert_close(cache[1, 3, 1], value[2])
+    copy_blocks([cache], torch.tensor([[1, 2]]))
+    torch.testing.assert_close(cache[:, 2], cache[:, 1])
