@@ -1,4 +1,5 @@
-"""The KV cache tensors of one worker: one [2, blocks, block_size, kv_heads, head_dim] tensor per layer."""
+"""The KV cache tensors of one worker: one [2, kv_heads, blocks, block_size, head_dim] tensor per layer
+(the layout kernels/cache_ops.py documents)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class CacheEngine:
         self.block_size = block_size
         # Zeroed, not empty: padded reads of never-written slots must not meet NaN garbage.
         self.kv_caches = {
-            layer: torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+            layer: torch.zeros(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
             for layer, (kv_heads, head_dim) in layer_specs.items()
         }
 

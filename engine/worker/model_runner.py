@@ -21,6 +21,7 @@ from engine.models.model_files import resolve_model_source
 from engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.sample.sampler import Sampler, SamplingMetadata
 from engine.sampling_params import SamplingParams
+from engine.worker.cache_engine import CacheEngine
 from engine.worker.input_batch import InputBatch
 from kernels.attention import AttentionMetadata, get_attention_backend
 
@@ -165,12 +166,9 @@ class ModelRunner:
         per_seq = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
         blocks_per_seq = cdiv(max(per_seq), self.block_size)
         # A scratch cache just big enough for this batch, every sequence on its own blocks.
-        scratch = {
-            layer: torch.zeros(
-                2, num_seqs * blocks_per_seq, self.block_size, *kv_shape, dtype=self.dtype, device=self.device
-            )
-            for layer, kv_shape in self.kv_cache_spec().items()
-        }
+        scratch = CacheEngine(
+            num_seqs * blocks_per_seq, self.block_size, self.kv_cache_spec(), self.dtype, self.device
+        ).kv_caches
         saved, self.kv_caches = self.kv_caches, scratch
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         try:

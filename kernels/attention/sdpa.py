@@ -1,8 +1,10 @@
-"""Paged attention on torch's scaled_dot_product_attention, fast enough to serve on a CPU.
+"""Paged attention fast enough to serve on a CPU, in plain torch.
 
-Decodes (one query token each) are batched: their blocks are gathered into one padded tensor and
-attended in a single call with a key-padding mask. Prefill chunks go one sequence at a time; a chunk
-with no cached context attends over its own keys with `is_causal`, without touching the cache.
+Decodes (one query token each) are batched: their blocks are gathered with one `index_select` into
+a padded [kv_heads, seqs, tokens, dim] tensor and attended with two batched matmuls, the query heads
+that share a KV head standing in as that head's rows. Prefill chunks go one sequence at a time
+through `scaled_dot_product_attention`; a chunk with no cached context attends over its own keys
+with `is_causal`, without reading the cache.
 """
 
 from __future__ import annotations
@@ -11,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.metadata import AttentionMetadata
-from kernels.attention.reference import gather_sequence_kv
-from kernels.cache_ops import reshape_and_cache
+from kernels.cache_ops import gather_blocks, reshape_and_cache
 
 
 def sdpa_attention(
@@ -38,28 +39,24 @@ def _decode(
 ) -> torch.Tensor:
     """One query token per sequence, all sequences in one padded batch.
 
-    The query heads that share a KV head are passed as that head's queries ([seqs, kv_heads,
-    group, dim]): a decode token's mask is the same for all of them, and this avoids the much
-    slower grouped-query path of SDPA.
+    Plain matmuls beat SDPA here: its CPU kernel is built for long query blocks, not 1-token rows.
+    Scores are rounded to the cache dtype before the float32 softmax, as transformers' eager
+    attention does.
     """
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[-2]
+    num_kv_heads = kv_cache.shape[1]
     max_len = max(meta.seq_lens_list[:num_seqs])
     num_blocks = -(-max_len // meta.block_size)
-    # [2, seqs, blocks, block_size, kv_heads, dim] -> [2, seqs, kv_heads, tokens, dim]
-    kv = kv_cache[:, meta.block_table[:num_seqs, :num_blocks]]
-    keys, values = (
-        kv.reshape(2, num_seqs, -1, num_kv_heads, head_dim)[:, :, :max_len].transpose(2, 3).unbind(0)
-    )
-    mask = torch.arange(max_len, device=query.device) < meta.seq_lens[:num_seqs].unsqueeze(1)
-    out = F.scaled_dot_product_attention(
-        query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
-        keys.to(query.dtype),
-        values.to(query.dtype),
-        attn_mask=mask.view(num_seqs, 1, 1, max_len),
-        scale=scale,
-    )
-    return out.reshape(num_seqs, num_heads, head_dim)
+    keys, values = gather_blocks(kv_cache, meta.block_table[:num_seqs, :num_blocks])
+    keys = keys.view(num_kv_heads, num_seqs, -1, head_dim).to(query.dtype)
+    values = values.view(num_kv_heads, num_seqs, -1, head_dim).to(query.dtype)
+    # [kv_heads, seqs, group, dim]: each KV head's query heads are its rows.
+    grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale
+    padding = torch.arange(keys.shape[2], device=query.device) >= meta.seq_lens[:num_seqs].unsqueeze(1)
+    scores.masked_fill_(padding.view(1, num_seqs, 1, -1), float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1).to(query.dtype), values)
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill(
@@ -79,13 +76,9 @@ def _prefill(
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)
     num_blocks = -(-seq_len // meta.block_size)
-    k, v = (
-        gather_sequence_kv(kv_cache, meta.block_table[index, :num_blocks], seq_len).transpose(1, 2).unbind(0)
-    )
+    k, v = gather_blocks(kv_cache, meta.block_table[index, :num_blocks])[:, :, :seq_len].to(q.dtype)
     # Bottom-right causal mask: query row r sits at position context + r.
     context = seq_len - query_len
     mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril(diagonal=context)
-    out = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)

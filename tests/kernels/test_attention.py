@@ -31,7 +31,7 @@ def build_batch(seq_specs, num_blocks=64, seed=0, dtype=torch.float32):
     """seq_specs: (context, query_len) per sequence. Returns everything a backend call needs,
     plus each sequence's full keys/values for the dense check. Blocks are scattered at random."""
     gen = torch.Generator().manual_seed(seed)
-    cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, DIM, dtype=dtype)
+    cache = torch.zeros(2, KV_HEADS, num_blocks, BLOCK, DIM, dtype=dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables, queries, new_keys, new_values, full_kv, slots = [], [], [], [], [], []
     for context, query_len in seq_specs:
@@ -43,8 +43,8 @@ def build_batch(seq_specs, num_blocks=64, seed=0, dtype=torch.float32):
         full_kv.append((k, v))
         # The context is already in the cache; the new tokens arrive with the step.
         for pos in range(context):
-            cache[0, blocks[pos // BLOCK], pos % BLOCK] = k[pos]
-            cache[1, blocks[pos // BLOCK], pos % BLOCK] = v[pos]
+            cache[0, :, blocks[pos // BLOCK], pos % BLOCK] = k[pos]
+            cache[1, :, blocks[pos // BLOCK], pos % BLOCK] = v[pos]
         slots += [blocks[pos // BLOCK] * BLOCK + pos % BLOCK for pos in range(context, total)]
         queries.append(torch.randn(query_len, HEADS, DIM, generator=gen, dtype=dtype))
         new_keys.append(k[context:])
@@ -95,15 +95,17 @@ def test_new_tokens_are_written_to_their_slots():
     for i, (context, query_len) in enumerate(MIXED):
         for pos in range(context + query_len):
             block = meta.block_table[i, pos // BLOCK]
-            torch.testing.assert_close(cache[0, block, pos % BLOCK], full_kv[i][0][pos])
-            torch.testing.assert_close(cache[1, block, pos % BLOCK], full_kv[i][1][pos])
+            torch.testing.assert_close(cache[0, :, block, pos % BLOCK], full_kv[i][0][pos])
+            torch.testing.assert_close(cache[1, :, block, pos % BLOCK], full_kv[i][1][pos])
 
 
 def test_reshape_and_cache_and_copy_blocks():
-    cache = torch.zeros(2, 4, BLOCK, KV_HEADS, DIM)
+    cache = torch.zeros(2, KV_HEADS, 4, BLOCK, DIM)
     key, value = torch.randn(3, KV_HEADS, DIM), torch.randn(3, KV_HEADS, DIM)
     reshape_and_cache(key, value, cache, torch.tensor([5, 6, 13]))  # block 1 offsets 1, 2; block 3 offset 1
-    torch.testing.assert_close(cache[0, 1, 1], key[0])
-    torch.testing.assert_close(cache[1, 3, 1], value[2])
+    torch.testing.assert_close(cache[0, :, 1, 1], key[0])
+    torch.testing.assert_close(cache[0, :, 1, 2], key[1])
+    torch.testing.assert_close(cache[1, :, 3, 1], value[2])
     copy_blocks([cache], torch.tensor([[1, 2]]))
-    torch.testing.assert_close(cache[:, 2], cache[:, 1])
+    torch.testing.assert_close(cache[:, :, 2], cache[:, :, 1])
+    assert torch.count_nonzero(cache[:, :, 0]) == 0
