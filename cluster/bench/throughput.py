@@ -86,31 +86,34 @@ def measure(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
         "requests_per_s": len(workload) / elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
-        "peak_kv_cache_utilization": peak_utilization,
+        "kv_cache_utilization_at_peak": peak_utilization,
         "elapsed_s": elapsed,
         "num_preemptions": engine.get_stats()["num_preemptions"],
     }
 
 
 def _run_to_completion(engine: LLMEngine, workload: Workload, id_prefix: str) -> tuple[int, float | None]:
-    """(output tokens produced, peak of KV tokens held / KV slots allocated over the steps)."""
+    """(output tokens produced, KV-cache utilization at the step that allocated the most slots).
+
+    Utilization is tokens held / slots allocated: what paging wastes is the unfilled tail of each
+    request's last block, and it matters most when the cache is fullest.
+    """
     for index, (prompt, max_tokens) in enumerate(workload):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         engine.add_request(f"{id_prefix}-{index}", {"prompt_token_ids": prompt}, params)
     output_tokens = 0
-    peak: float | None = None
+    peak_slots, utilization_at_peak = 0, None
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 output_tokens += len(output.outputs[0].token_ids)
         stats = engine.get_stats()
-        # A step that freed every block has nothing to measure. (Requests sharing prefix-cached
-        # blocks would count those tokens once each but the slots once, so the ratio could pass 1;
-        # random prompts share none.)
-        if stats["kv_slots_allocated"] > 0:
-            utilization = stats["kv_tokens_held"] / stats["kv_slots_allocated"]
-            peak = utilization if peak is None else max(peak, utilization)
-    return output_tokens, peak
+        # (Requests sharing prefix-cached blocks would count those tokens once each but the slots
+        # once, so the ratio could pass 1; random prompts share none.)
+        if stats["kv_slots_allocated"] > peak_slots:
+            peak_slots = stats["kv_slots_allocated"]
+            utilization_at_peak = stats["kv_tokens_held"] / peak_slots
+    return output_tokens, utilization_at_peak
 
 
 def run(args: argparse.Namespace, settings: dict[str, Any]) -> None:
@@ -161,13 +164,13 @@ def _check_fits(workload: Workload, engine: LLMEngine) -> None:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The headline numbers, one per line."""
-    peak = results["peak_kv_cache_utilization"]
+    peak = results["kv_cache_utilization_at_peak"]
     print(
         f"Throughput: {results['requests_per_s']:.2f} requests/s, "
         f"{results['output_tokens_per_s']:.1f} output tokens/s, "
         f"{results['total_tokens_per_s']:.1f} total tokens/s"
     )
-    print(f"Peak KV-cache utilization: {'n/a' if peak is None else f'{peak:.1%}'}")
+    print(f"KV-cache utilization at peak usage: {'n/a' if peak is None else f'{peak:.1%}'}")
     print(f"Elapsed: {results['elapsed_s']:.2f} s ({results['num_preemptions']} preemptions)")
 
 

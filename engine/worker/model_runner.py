@@ -1,7 +1,7 @@
 """Runs one step on one worker: scheduler deltas in, flat model inputs built, forward, sample.
 
-Order within a batch: requests with a single query token (decodes) first, then prefill chunks, so
-that attention backends can treat the decodes as one batch.
+Order within a batch: requests with a single query token (decodes) first, longest first, then
+prefill chunks, so that attention backends can batch decodes of similar length together.
 """
 
 from __future__ import annotations
@@ -95,9 +95,14 @@ class ModelRunner:
             state.num_computed_tokens = num_computed
             batch.append_blocks(state, new_blocks)
 
-    @staticmethod
-    def _batch_order(num_scheduled: dict[str, int]) -> list[str]:
-        decodes = [req_id for req_id, n in num_scheduled.items() if n == 1]
+    def _batch_order(self, num_scheduled: dict[str, int]) -> list[str]:
+        """Decodes first, longest first (attention batches them in runs of similar length), then prefills."""
+        requests = self.input_batch.requests
+        decodes = sorted(
+            (req_id for req_id, n in num_scheduled.items() if n == 1),
+            key=lambda req_id: requests[req_id].num_computed_tokens,
+            reverse=True,
+        )
         return decodes + [req_id for req_id, n in num_scheduled.items() if n > 1]
 
     def _prepare_inputs(

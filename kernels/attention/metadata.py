@@ -13,8 +13,8 @@ class AttentionMetadata:
 
     Tokens of sequence i are query rows query_start_loc[i]:query_start_loc[i+1]. Its first
     seq_lens[i] - query_len tokens are already in the cache (the context), the rest are computed
-    now. The first `num_decodes` sequences have exactly one query token each (the model runner puts
-    decodes first), which lets a backend batch them.
+    now. The first `num_decodes` sequences have exactly one query token each, sorted by seq_len, longest
+    first (the model runner orders them so), which lets a backend batch runs of similar length.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token

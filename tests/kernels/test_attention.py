@@ -68,8 +68,8 @@ def build_batch(seq_specs, num_blocks=64, seed=0, dtype=torch.float32):
     return torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), cache, meta, full_kv
 
 
-# decodes first (as the model runner orders them), then a fresh prefill, then chunks with context
-MIXED = [(7, 1), (0, 1), (12, 1), (0, 9), (5, 6), (8, 1 + 2)]
+# decodes first, longest first (as the model runner orders them), then a fresh prefill, then chunks with context
+MIXED = [(12, 1), (7, 1), (0, 1), (0, 9), (5, 6), (8, 1 + 2)]
 
 
 def test_reference_equals_dense_attention():
