@@ -76,7 +76,7 @@ def measure(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
     """After an untimed warm-up, run the workload: throughput, peak KV-cache utilization, time."""
     _run_to_completion(engine, [(prompt, WARMUP_TOKENS) for prompt in WARMUP_PROMPTS], "warmup")
     start = time.perf_counter()
-    output_tokens, peak_utilization = _run_to_completion(engine, workload, "bench")
+    output_tokens, utilization = _run_to_completion(engine, workload, "bench")
     elapsed = time.perf_counter() - start
     expected = sum(length for _, length in workload)
     if output_tokens != expected:
@@ -86,23 +86,25 @@ def measure(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
         "requests_per_s": len(workload) / elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
-        "kv_cache_utilization_at_peak": peak_utilization,
+        "kv_cache_utilization_peak": utilization["peak"],
+        "kv_cache_utilization_mean": utilization["mean"],
         "elapsed_s": elapsed,
         "num_preemptions": engine.get_stats()["num_preemptions"],
     }
 
 
-def _run_to_completion(engine: LLMEngine, workload: Workload, id_prefix: str) -> tuple[int, float | None]:
-    """(output tokens produced, KV-cache utilization at the step that allocated the most slots).
+def _run_to_completion(engine: LLMEngine, workload: Workload, id_prefix: str) -> tuple[int, dict[str, float]]:
+    """(output tokens produced, KV-cache utilization: its peak and its mean over the steps).
 
-    Utilization is tokens held / slots allocated: what paging wastes is the unfilled tail of each
-    request's last block, and it matters most when the cache is fullest.
+    Utilization is tokens held / slots allocated, read after every step: paging wastes only the
+    unfilled tail of each request's last block. The mean weighs each step by its allocated slots,
+    so it is the share of all allocated memory-time that held tokens.
     """
     for index, (prompt, max_tokens) in enumerate(workload):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         engine.add_request(f"{id_prefix}-{index}", {"prompt_token_ids": prompt}, params)
     output_tokens = 0
-    peak_slots, utilization_at_peak = 0, None
+    peak, held_total, allocated_total = 0.0, 0, 0
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
@@ -110,10 +112,12 @@ def _run_to_completion(engine: LLMEngine, workload: Workload, id_prefix: str) ->
         stats = engine.get_stats()
         # (Requests sharing prefix-cached blocks would count those tokens once each but the slots
         # once, so the ratio could pass 1; random prompts share none.)
-        if stats["kv_slots_allocated"] > peak_slots:
-            peak_slots = stats["kv_slots_allocated"]
-            utilization_at_peak = stats["kv_tokens_held"] / peak_slots
-    return output_tokens, utilization_at_peak
+        if stats["kv_slots_allocated"] > 0:
+            peak = max(peak, stats["kv_tokens_held"] / stats["kv_slots_allocated"])
+            held_total += stats["kv_tokens_held"]
+            allocated_total += stats["kv_slots_allocated"]
+    utilization = {"peak": peak, "mean": held_total / allocated_total if allocated_total else 0.0}
+    return output_tokens, utilization
 
 
 def run(args: argparse.Namespace, settings: dict[str, Any]) -> None:
@@ -164,13 +168,13 @@ def _check_fits(workload: Workload, engine: LLMEngine) -> None:
 
 def print_summary(results: dict[str, Any]) -> None:
     """The headline numbers, one per line."""
-    peak = results["kv_cache_utilization_at_peak"]
+    peak, mean = results["kv_cache_utilization_peak"], results["kv_cache_utilization_mean"]
     print(
         f"Throughput: {results['requests_per_s']:.2f} requests/s, "
         f"{results['output_tokens_per_s']:.1f} output tokens/s, "
         f"{results['total_tokens_per_s']:.1f} total tokens/s"
     )
-    print(f"KV-cache utilization at peak usage: {'n/a' if peak is None else f'{peak:.1%}'}")
+    print(f"KV-cache utilization (tokens held / slots allocated): peak {peak:.1%}, mean {mean:.1%}")
     print(f"Elapsed: {results['elapsed_s']:.2f} s ({results['num_preemptions']} preemptions)")
 
 

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, get_attention_backend
+from kernels.attention import AttentionMetadata, get_attention_backend, sdpa
+from kernels.attention.sdpa import decode_chunks
 from kernels.cache_ops import copy_blocks, reshape_and_cache
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
@@ -109,3 +110,20 @@ def test_reshape_and_cache_and_copy_blocks():
     copy_blocks([cache], torch.tensor([[1, 2]]))
     torch.testing.assert_close(cache[:, :, 2], cache[:, :, 1])
     assert torch.count_nonzero(cache[:, :, 0]) == 0
+
+
+def test_decode_chunks_bound_the_padded_gather():
+    lens = [40, 38, 33, 20, 17, 16, 9, 3, 1]  # longest first, blocks of 4: 10, 10, 9, 5, 5, 4, 3, 1, 1
+    chunks = decode_chunks(lens, BLOCK, budget=20)
+    assert chunks == [(0, 2), (2, 4), (4, 8), (8, 9)]  # 2x10, 2x9, 4x5, 1x1 padded blocks
+    for start, end in chunks:
+        assert (end - start) * -(-lens[start] // BLOCK) <= 20 or end - start == 1
+    assert decode_chunks([100], BLOCK, budget=1) == [(0, 1)]  # one row always fits, whatever its length
+
+
+def test_many_decodes_split_into_runs_match_the_reference(monkeypatch):
+    monkeypatch.setattr(sdpa, "DECODE_CHUNK_BLOCKS", 6)
+    specs = [(context, 1) for context in (30, 21, 17, 9, 8, 2, 0)]
+    q, k, v, cache, meta, _ = build_batch(specs)
+    expected = get_attention_backend("reference")(q, k, v, cache.clone(), meta, DIM**-0.5)
+    torch.testing.assert_close(get_attention_backend("sdpa")(q, k, v, cache, meta, DIM**-0.5), expected)

@@ -9,6 +9,8 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.model.hf_reference import hf_greedy
 
+pytestmark = pytest.mark.slow  # loads transformers' GGUF reference (about 20 s) and four engines
+
 MAX_TOKENS = 24
 PROMPTS = [
     "Hello",
