@@ -63,6 +63,7 @@ class ModelConfig(_Section):
         None, gt=0, description="Longest prompt plus output, in tokens; defaults to the model's context"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present")
+    max_logprobs: int = Field(20, ge=0, description="Most log-probabilities a request may ask for per token")
 
 
 class CacheConfig(_Section):
@@ -78,6 +79,9 @@ class CacheConfig(_Section):
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Share of GPU memory the engine may use on CUDA"
+    )
+    swap_space: float = Field(
+        4.0, ge=0.0, description="GiB of host memory per worker for KV blocks swapped out of the device"
     )
 
     @field_validator("kv_cache_memory", mode="before")
@@ -96,6 +100,11 @@ class SchedulerConfig(_Section):
 
     max_num_seqs: int = Field(256, gt=0, description="Most requests in one step")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one step")
+    preemption_mode: Literal["recompute", "swap"] | None = Field(
+        None,
+        description="How to evict a running request when blocks run out; None: recompute a single "
+        "sequence, swap a group of sequences (parallel sampling, beam search) to the CPU",
+    )
 
 
 class ParallelConfig(_Section):

@@ -22,7 +22,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
         self.executor = (executor_class or Executor.get_class(config))(config)
-        num_blocks = self.executor.initialize_kv_cache()
+        num_blocks, num_cpu_blocks = self.executor.initialize_kv_cache()
         max_model_len = config.model.max_model_len
         block_size = config.cache.block_size
         logger.info(
@@ -33,7 +33,7 @@ class EngineCore:
             max_model_len,
             num_blocks * block_size / max_model_len,
         )
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len, num_cpu_blocks)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request))
@@ -41,15 +41,24 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def stop_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
+        """The front end matched a stop string: finish that sequence and free its blocks."""
+        self.scheduler.stop_sequence(request_id, index, stop_reason)
+
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model, and turn sampled tokens into per-request outputs."""
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens > 0:
+        # Even a step that runs no tokens may carry swaps and dropped sequences the workers must apply.
+        if (
+            scheduler_output.total_num_scheduled_tokens
+            or scheduler_output.has_block_moves
+            or scheduler_output.finished_seq_ids
+        ):
             runner_output = self.executor.execute_model(scheduler_output)
         else:
-            runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            runner_output = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:

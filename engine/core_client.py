@@ -19,6 +19,9 @@ class InprocClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
 
+    def stop_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
+        self.engine_core.stop_sequence(request_id, index, stop_reason)
+
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
 

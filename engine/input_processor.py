@@ -11,7 +11,7 @@ import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from engine.outputs import EngineCoreRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams
 
 # A string, {"prompt": str} or {"prompt_token_ids": [int, ...]} (optionally with "prompt" for display).
 PromptType = Union[str, Mapping[str, Any]]  # noqa: UP007 (a runtime alias must work on Python 3.10 too)
@@ -27,10 +27,14 @@ class InputProcessor:
         vocab_size: int,
         eos_token_id: int | None,
         extra_eos_token_ids: tuple[int, ...] = (),
+        max_logprobs: int = 20,
+        max_num_seqs: int = 256,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+        self.max_num_seqs = max_num_seqs
         self.eos_token_id = eos_token_id
         # Further end-of-sequence ids from the generation config stop a request like stop_token_ids.
         self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != eos_token_id)
@@ -55,14 +59,28 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> tuple[EngineCoreRequest, str | None]:
+        beam_search = None
+        if isinstance(params, BeamSearchParams):
+            # Beams are picked from each step's log-probabilities; the per-token sampling is greedy.
+            beam_search = params
+            params = SamplingParams(
+                temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos
+            )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize_prompt(prompt)
         self._check_prompt(token_ids)
+        self._check_params(params)
+        width = beam_search.beam_width if beam_search else params.num_sequences
+        if width > self.max_num_seqs:
+            name = "beam_width" if beam_search else ("best_of" if params.best_of else "n")
+            raise ValueError(
+                f"{name}={width} is more sequences than one step runs (max_num_seqs={self.max_num_seqs})"
+            )
         if self.extra_eos_token_ids and not params.ignore_eos:
             stop_ids = list(dict.fromkeys([*(params.stop_token_ids or ()), *self.extra_eos_token_ids]))
             params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
@@ -73,8 +91,23 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
+            beam_search=beam_search,
         )
         return request, text
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """The checks SamplingParams cannot make alone: they need the model's limits."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(
+                    f"{name}: requested {value} log-probabilities, more than max_logprobs={self.max_logprobs}"
+                )
+        outside = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"logit_bias: token id {outside[0]} is out of vocabulary (valid ids are 0 to {self.vocab_size - 1})"
+            )
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

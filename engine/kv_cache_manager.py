@@ -1,32 +1,51 @@
-"""Per-request block tables over the block pool: prefix lookup, on-demand allocation, immediate free.
+"""Per-sequence block tables over the block pool: prefix lookup, on-demand allocation, copy-on-write,
+forks, swapping to a CPU pool, and immediate free.
 
-Checks never mutate: `get_computed_blocks` only looks, and `allocate_slots` decides whether the
-request fits before it takes anything, returning None (and changing nothing) when it does not.
+Checks never mutate: `get_computed_blocks` and `num_blocks_needed` only look, and `allocate_slots`
+decides whether the sequence fits before it takes anything, returning None (and changing nothing)
+when it does not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
+from collections.abc import Iterable
 
 from engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
-from engine.request import Request
+from engine.request import Sequence
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Maps each request to its list of physical blocks (its block table)."""
+@dataclasses.dataclass
+class SlotAllocation:
+    """What changed in a sequence's block table: from `table_start` on it now reads `block_ids`;
+    `copies` are (source, destination) blocks to copy first (copy-on-write)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    table_start: int
+    block_ids: list[int]
+    copies: list[tuple[int, int]]
+
+
+class KVCacheManager:
+    """Maps each sequence to its list of physical blocks (its block table)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks else None
         self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
         self.req_to_block_hashes: defaultdict[str, list[BlockHash]] = defaultdict(list)
-        # How many leading blocks of each request have been offered to the prefix cache.
+        # How many leading blocks of each sequence have been offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Block tables of swapped-out sequences, in the CPU pool.
+        self.swapped_blocks: dict[str, list[KVCacheBlock]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -39,18 +58,20 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage()
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+    def block_ids(self, seq_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(seq_id, ())]
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of a request's tokens: (blocks, number of tokens they hold).
+    # ---- prefix cache --------------------------------------------------------------------------
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of a sequence's tokens: (blocks, number of tokens they hold).
 
         The last token is always left to compute, so that the step produces logits for it.
         """
         if not self.enable_caching:
             return [], 0
-        hashes = self._block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(seq)
+        max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -59,63 +80,143 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
-    ) -> list[KVCacheBlock] | None:
-        """Give a request room for `num_new_tokens` more tokens after its computed ones.
+    # ---- allocation ----------------------------------------------------------------------------
 
-        `new_computed_blocks` are prefix-cache hits taken at admission. Returns the newly allocated
-        blocks, or None when the pool cannot supply them (nothing is changed then).
-        """
+    def num_blocks_needed(
+        self, seq: Sequence, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> int:
+        """Free blocks `allocate_slots` would take: new blocks, a copy-on-write, and prefix hits
+        that nobody holds (they sit in the free queue, so taking them shrinks it)."""
         hits = new_computed_blocks or []
-        blocks = self.req_to_blocks[request.request_id]
-        num_computed = request.num_computed_tokens + len(hits) * self.block_size
-        num_needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(hits)
-        # Hits that nobody holds sit in the free queue: taking them shrinks what is left to allocate.
-        num_hits_in_free_queue = sum(1 for block in hits if block.ref_cnt == 0)
-        if num_needed > self.block_pool.num_free_blocks - num_hits_in_free_queue:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        blocks = self.req_to_blocks.get(seq.seq_id, [])
+        num_computed = seq.num_computed_tokens + len(hits) * self.block_size
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(hits)
+        return (
+            max(needed, 0)
+            + int(self._needs_copy_on_write(seq))
+            + sum(1 for block in hits if block.ref_cnt == 0)
+        )
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> SlotAllocation | None:
+        """Give a sequence room for `num_new_tokens` more tokens after its computed ones.
+
+        `new_computed_blocks` are prefix-cache hits taken at admission. Returns what changed in the
+        block table, or None when the pool cannot supply it (nothing is changed then).
+        """
+        if self.num_blocks_needed(seq, num_new_tokens, new_computed_blocks) > self.block_pool.num_free_blocks:
             return None
+        hits = new_computed_blocks or []
+        blocks = self.req_to_blocks[seq.seq_id]
+        table_start = len(blocks)
+        copies = []
+        if self._needs_copy_on_write(seq):
+            # The block this step writes into is shared with a fork: write into a private copy.
+            table_start = seq.num_computed_tokens // self.block_size
+            shared = blocks[table_start]
+            (private,) = self.block_pool.get_new_blocks(1)
+            copies.append((shared.block_id, private.block_id))
+            self.block_pool.free_blocks([shared])
+            blocks[table_start] = private
         self.block_pool.touch(hits)
         blocks.extend(hits)
-        new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
-        blocks.extend(new_blocks)
+        num_computed = seq.num_computed_tokens + len(hits) * self.block_size
+        num_new_blocks = max(cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks), 0)
+        blocks.extend(self.block_pool.get_new_blocks(num_new_blocks))
         if self.enable_caching:
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
-        return new_blocks
+            self._cache_full_blocks(seq, num_computed + num_new_tokens)
+        return SlotAllocation(table_start, [block.block_id for block in blocks[table_start:]], copies)
 
-    def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first, so that a shared prefix's head is evicted last."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let `child` share every block of `parent` (by reference count)."""
+        blocks = self.req_to_blocks[parent.seq_id]
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.seq_id] = list(blocks)
+        self.req_to_block_hashes[child.seq_id] = list(self.req_to_block_hashes.get(parent.seq_id, []))
+        self.num_cached_blocks[child.seq_id] = self.num_cached_blocks.get(parent.seq_id, 0)
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks, tail first, so that a shared prefix's head is evicted last."""
+        blocks = self.req_to_blocks.pop(seq.seq_id, [])
         self.block_pool.free_blocks(reversed(blocks))
-        self.num_cached_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(seq.seq_id, None)
+        swapped = self.swapped_blocks.pop(seq.seq_id, None)
+        if swapped and self.cpu_pool is not None:
+            self.cpu_pool.free_blocks(reversed(swapped))
 
-    def forget(self, request: Request) -> None:
-        """Drop the hashes kept for a request that will not come back."""
-        self.req_to_block_hashes.pop(request.request_id, None)
+    def forget(self, seq: Sequence) -> None:
+        """Drop the hashes kept for a sequence that will not come back."""
+        self.req_to_block_hashes.pop(seq.seq_id, None)
 
-    def _block_hashes(self, request: Request) -> list[BlockHash]:
-        """Chain hashes of the request's full blocks, extended as its tokens grow."""
-        hashes = self.req_to_block_hashes[request.request_id]
+    # ---- swapping ------------------------------------------------------------------------------
+
+    def can_swap_out(self, seqs: Iterable[Sequence]) -> bool:
+        blocks = {block.block_id for seq in seqs for block in self.req_to_blocks.get(seq.seq_id, ())}
+        return self.cpu_pool is not None and len(blocks) <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move sequences' blocks to the CPU pool, keeping their sharing; (device, cpu) pairs to copy."""
+        return self._move(seqs, self.req_to_blocks, self.swapped_blocks, self.block_pool, self.cpu_pool)
+
+    def can_swap_in(self, seqs: Iterable[Sequence]) -> bool:
+        blocks = {block.block_id for seq in seqs for block in self.swapped_blocks.get(seq.seq_id, ())}
+        return len(blocks) <= self.block_pool.num_free_blocks
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring swapped sequences back into fresh device blocks; (cpu, device) pairs to copy."""
+        for seq in seqs:
+            self.num_cached_blocks[seq.seq_id] = 0  # fresh blocks: offer them to the prefix cache again
+        return self._move(seqs, self.swapped_blocks, self.req_to_blocks, self.cpu_pool, self.block_pool)
+
+    @staticmethod
+    def _move(
+        seqs: list[Sequence],
+        source_tables: dict[str, list[KVCacheBlock]],
+        target_tables: dict[str, list[KVCacheBlock]],
+        source_pool: BlockPool | None,
+        target_pool: BlockPool | None,
+    ) -> list[tuple[int, int]]:
+        if source_pool is None or target_pool is None:
+            raise RuntimeError("swapping needs a CPU block pool (swap_space > 0)")
+        moved: dict[int, KVCacheBlock] = {}
+        for seq in seqs:
+            table = []
+            for block in source_tables[seq.seq_id]:
+                if block.block_id in moved:
+                    target_pool.touch([moved[block.block_id]])  # shared before, shared after
+                else:
+                    (moved[block.block_id],) = target_pool.get_new_blocks(1)
+                table.append(moved[block.block_id])
+            source_pool.free_blocks(reversed(source_tables.pop(seq.seq_id)))
+            target_tables[seq.seq_id] = table
+        return [(source, target.block_id) for source, target in moved.items()]
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        blocks = self.req_to_blocks.get(seq.seq_id)
+        write_index = seq.num_computed_tokens // self.block_size
+        return bool(blocks) and write_index < len(blocks) and blocks[write_index].ref_cnt > 1
+
+    def _block_hashes(self, seq: Sequence) -> list[BlockHash]:
+        """Chain hashes of the sequence's full blocks, extended as its tokens grow."""
+        hashes = self.req_to_block_hashes[seq.seq_id]
         size = self.block_size
-        tokens = request.all_token_ids
+        tokens = seq.all_token_ids
         for index in range(len(hashes), len(tokens) // size):
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, tokens[index * size : (index + 1) * size]))
         return hashes
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the blocks that become full once `num_tokens` tokens are written."""
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        start = self.num_cached_blocks.get(request.request_id, 0)
+        num_full = min(num_tokens, seq.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(seq.seq_id, 0)
         if num_full <= start:
             return
-        hashes = self._block_hashes(request)
-        blocks = self.req_to_blocks[request.request_id]
+        hashes = self._block_hashes(seq)
+        blocks = self.req_to_blocks[seq.seq_id]
         for index in range(start, num_full):
             self.block_pool.cache_block(blocks[index], hashes[index])
-        self.num_cached_blocks[request.request_id] = num_full
+        self.num_cached_blocks[seq.seq_id] = num_full

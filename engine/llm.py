@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.input_processor import PromptType
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from engine.sampling_params import BeamSearchParams, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -77,6 +77,36 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self._run(prompts, sampling_params, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt: the beams, best (length-normalized) score first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_list = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
+        outputs = self._run_engine(self._add_requests(prompt_list, [params] * len(prompt_list)), use_tqdm)
+        tokenizer = self.get_tokenizer()
+        results = []
+        for output in outputs:
+            sequences = []
+            for completion in output.outputs:
+                tokens = [*output.prompt_token_ids, *completion.token_ids]
+                sequences.append(
+                    BeamSearchSequence(
+                        tokens=tokens,
+                        text=tokenizer.decode(tokens, skip_special_tokens=True),
+                        cum_logprob=completion.cumulative_logprob,
+                        num_prompt_tokens=len(output.prompt_token_ids),
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+            results.append(BeamSearchOutput(sequences=sequences))
+        return results
+
     def get_stats(self) -> dict[str, Any]:
         """Running and waiting requests, KV cache usage and size, preemptions, prefix-cache counters."""
         return self.llm_engine.get_stats()
@@ -106,7 +136,9 @@ class LLM:
             )
         return params
 
-    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_requests(
+        self, prompts: list[PromptType], params: list[SamplingParams] | list[BeamSearchParams]
+    ) -> list[str]:
         """Queue every request, or none: a bad prompt withdraws the ones already queued."""
         request_ids: list[str] = []
         try:

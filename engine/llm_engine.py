@@ -14,7 +14,7 @@ from engine.input_processor import InputProcessor, PromptType
 from engine.models.model_files import read_arch_config, resolve_engine_config, resolve_model_source
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,13 @@ class LLMEngine:
         max_model_len = self.config.model.max_model_len
         assert max_model_len is not None
         self.input_processor = InputProcessor(
-            self.tokenizer, max_model_len, arch.vocab_size, eos, arch.eos_token_ids
+            self.tokenizer,
+            max_model_len,
+            arch.vocab_size,
+            eos,
+            arch.eos_token_ids,
+            max_logprobs=self.config.model.max_logprobs,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = InprocClient(self.config)
@@ -47,7 +53,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
@@ -70,7 +76,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; the outputs of every request that progressed or finished."""
         outputs = self.engine_core.get_output()
-        return self.output_processor.process_outputs(outputs.outputs)
+        stats = outputs.scheduler_stats
+        if not outputs.outputs and stats and not stats.num_running_reqs + stats.num_waiting_reqs:
+            # The core holds nothing yet the front end waits: fail loudly rather than spin forever.
+            lost = sorted(self.output_processor.requests)
+            if lost:
+                self.output_processor.abort_requests(lost)
+                raise RuntimeError(f"the engine core finished requests {lost} without reporting them")
+        results, stops = self.output_processor.process_outputs(outputs.outputs)
+        for stop in stops:
+            self.engine_core.stop_sequence(stop.request_id, stop.index, stop.stop_reason)
+        return results
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -15,7 +15,7 @@ import enum
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams
 
 
 class FinishReason(enum.IntEnum):
@@ -38,43 +38,79 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    beam_search: BeamSearchParams | None = None
 
 
-class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Everything a worker needs about a request it has not seen (or dropped at preemption)."""
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Log-probabilities at some positions: column 0 is the chosen token, then the top-k in order."""
 
-    req_id: str
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of each chosen token (1 = the most likely)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def slice(self, start: int, end: int) -> LogprobsLists:
+        return LogprobsLists(self.token_ids[start:end], self.logprobs[start:end], self.ranks[start:end])
+
+
+class NewSequenceData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Everything a worker needs about a sequence it does not hold (new, forked, resumed)."""
+
+    seq_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None
+    seed: int | None = None  # this sequence's own seed (forks of a seeded request differ)
+    num_logprobs: int | None = None  # top-k log-probabilities to return per sampled token
+    num_prompt_logprobs: int | None = None
 
 
-class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Deltas for requests the workers already hold, index-aligned lists."""
+class CachedSequenceData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Deltas for sequences the workers already hold, index-aligned lists.
 
-    req_ids: list[str] = msgspec.field(default_factory=list)
+    A sequence's block table changes only from `block_table_starts[i]` on: new blocks are appended
+    there, and a copy-on-write replaces the block being written.
+    """
+
+    seq_ids: list[str] = msgspec.field(default_factory=list)
     new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    block_table_starts: list[int] = msgspec.field(default_factory=list)
     new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
     num_computed_tokens: list[int] = msgspec.field(default_factory=list)
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One step's batch: which requests run and how many tokens each computes."""
+    """One step's batch: which sequences run, how many tokens each computes, and the block moves
+    to make first (swaps out, swaps in, copies, in that order)."""
 
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: CachedRequestData
+    scheduled_new_seqs: list[NewSequenceData]
+    scheduled_cached_seqs: CachedSequenceData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    finished_seq_ids: list[str] = msgspec.field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (cpu, device)
+    blocks_to_copy: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (device, device)
+
+    @property
+    def has_block_moves(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Tokens sampled this step, for the requests that reached the end of their known tokens."""
+    """Tokens sampled this step, for the sequences that reached the end of their known tokens."""
 
-    req_ids: list[str]
+    seq_ids: list[str]
     sampled_token_ids: list[list[int]]
+    # Per sampled sequence, when it asked for them: one position each.
+    logprobs: list[LogprobsLists | None] = msgspec.field(default_factory=list)
+    # Per sequence computing prompt tokens with prompt_logprobs: the positions this step covered.
+    prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -91,17 +127,29 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # their ratio is the KV cache's utilization (the paper's measure of waste).
     kv_tokens_held: int = 0
     kv_slots_allocated: int = 0
+    # Blocks the running sequences' tables point to, shared blocks counted once per sequence: what
+    # they would take without sharing (the physical count is kv_slots_allocated / block_size).
+    kv_logical_blocks: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """New tokens of one request, and why it finished if it did."""
+    """New tokens of one sequence (`index` within its request), and why it finished if it did.
+
+    Beam search reports each final beam once, at the end, with all its tokens.
+    """
 
     request_id: str
+    index: int
     new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    prompt_logprobs: LogprobsLists | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    cumulative_logprob: float | None = None
     error: str | None = None
+    # Set on the last output of a request the core has finished with (all its sequences done).
+    request_finished: bool = False
 
     @property
     def finished(self) -> bool:
@@ -141,3 +189,24 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None
     error: str | None = None
+
+
+class BeamSearchSequence(msgspec.Struct, kw_only=True):
+    """One finished beam (vLLM's fields): `tokens` holds the prompt and the generated tokens."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    num_prompt_tokens: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens :]
+
+
+class BeamSearchOutput(msgspec.Struct, kw_only=True):
+    """The beams of one prompt, best score first."""
+
+    sequences: list[BeamSearchSequence]

@@ -1,27 +1,36 @@
-"""A request as the scheduler sees it: its tokens, how many are in the KV cache, and its status."""
+"""Requests as the scheduler sees them: a group of sequences that share a prompt (and KV blocks).
+
+A plain request has one sequence. Parallel sampling (n, best_of) forks the prompt's sequence into
+several once the prompt is in the cache; beam search forks and frees sequences every step. The
+scheduler schedules whole requests; the workers only ever see sequences, by `seq_id`.
+"""
 
 from __future__ import annotations
 
 import enum
 
-from engine.outputs import EngineCoreRequest, FinishReason
-from engine.sampling_params import SamplingParams
+from engine.beam_search import Hypothesis
+from engine.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from engine.sampling_params import BeamSearchParams, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request; every status after PREEMPTED is final."""
+    """Lifecycle of a request (and of each of its sequences); every status after SWAPPED is final."""
 
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6
+    SWAPPED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7
+    # A beam search sequence dropped because better beams took its place; never reported.
+    FINISHED_PRUNED = 8
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self > RequestStatus.SWAPPED
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -37,13 +46,104 @@ _FINISH_REASONS = {
 }
 
 
-class Request:
-    """Scheduler-side state of one request.
+class Sequence:
+    """One token sequence: the shared prompt plus its own outputs, and how much of it is cached.
 
     `num_computed_tokens` counts the tokens whose keys and values are in the KV cache (or are being
-    computed by the step in flight); the scheduler's whole job is to make it catch up with
-    `num_tokens`, which covers prefill, chunked prefill, prefix-cache hits and decode alike.
+    computed by the step in flight); scheduling is making it catch up with `num_tokens`.
     """
+
+    def __init__(self, request: Request, index: int, output_token_ids: list[int] | None = None) -> None:
+        self.request = request
+        self.index = index
+        self.seq_id = f"{request.request_id}#{index}" if index else request.request_id
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.all_token_ids: list[int] = [*request.prompt_token_ids, *self.output_token_ids]
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprob is not None:
+            self.cumulative_logprob += logprob
+
+    def check_stop(self, max_seq_len: int) -> RequestStatus | None:
+        """How the sequence ends after its latest token, if it does (vLLM's order of checks)."""
+        request = self.request
+        params = request.sampling_params
+        at_length_limit = self.num_tokens >= max_seq_len
+        if self.num_output_tokens < params.min_tokens:
+            # min_tokens holds back every stop but the hard length limit.
+            return RequestStatus.FINISHED_LENGTH_CAPPED if at_length_limit else None
+        token_id = self.output_token_ids[-1]
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.all_stop_token_ids:
+            self.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        # An EOS or stop token on the last position still counts as a stop.
+        if at_length_limit or (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def make_output(
+        self,
+        new_token_ids: list[int],
+        new_logprobs: LogprobsLists | None = None,
+        prompt_logprobs: LogprobsLists | None = None,
+    ) -> EngineCoreOutput:
+        """This step's news about the sequence, for the front end."""
+        request = self.request
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            index=self.index,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            finish_reason=self.status.finish_reason,
+            stop_reason=self.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            cumulative_logprob=self.cumulative_logprob if new_logprobs is not None else None,
+            error=request.error,
+        )
+
+    def fork(self, index: int) -> Sequence:
+        """A copy with its own index and id; KV blocks are shared by the cache manager, not here."""
+        child = Sequence(self.request, index, self.output_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
+        return child
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_computed_tokens}/{self.num_tokens})"
+
+
+class Request:
+    """Scheduler-side state of one request: its settings and its live and finished sequences."""
 
     def __init__(
         self,
@@ -53,21 +153,23 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float,
         priority: int = 0,
+        beam_search: BeamSearchParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
+        self.beam_search = beam_search
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
-        self.num_computed_tokens = 0
+        self.seqs: list[Sequence] = [Sequence(self, 0)]
+        # Sequences to fork from the first once the prompt (but its last token) is cached.
+        self.num_pending_forks = 0 if beam_search else sampling_params.num_sequences - 1
+        self.next_seq_index = 1
         # Tokens found in the prefix cache at first admission (reported to the user).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
-        self.stop_reason: int | str | None = None
         self.error: str | None = None
 
     @classmethod
@@ -79,19 +181,21 @@ class Request:
             request.eos_token_id,
             request.arrival_time,
             request.priority,
+            request.beam_search,
         )
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+    def live_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished]
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+    def max_num_seqs(self) -> int:
+        """Most sequences this request will ever run at once."""
+        return self.beam_search.beam_width if self.beam_search else self.sampling_params.num_sequences
 
     @property
     def is_finished(self) -> bool:
@@ -102,12 +206,29 @@ class Request:
         """Lower runs first: priority, then arrival (FCFS)."""
         return (self.priority, self.arrival_time)
 
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+    def target_num_tokens(self, seq: Sequence) -> int:
+        """How far `seq` may compute now: all its tokens, except that a request still to be forked
+        stops before the prompt's last token, which every fork computes (and samples from) itself."""
+        return self.num_prompt_tokens - 1 if self.num_pending_forks else seq.num_tokens
+
+    def beam_outputs(self, hypotheses: list[Hypothesis]) -> list[EngineCoreOutput]:
+        """The final beams, best first, each reported once with all its tokens."""
+        return [
+            EngineCoreOutput(
+                request_id=self.request_id,
+                index=index,
+                new_token_ids=hypothesis.token_ids,
+                finish_reason=FinishReason.STOP if hypothesis.ended_by_eos else FinishReason.LENGTH,
+                num_cached_tokens=max(self.num_cached_tokens, 0),
+                cumulative_logprob=hypothesis.cumulative_logprob,
+            )
+            for index, hypothesis in enumerate(hypotheses)
+        ]
+
+    def new_seq_index(self) -> int:
+        index = self.next_seq_index
+        self.next_seq_index += 1
+        return index
 
     def __repr__(self) -> str:
-        return (
-            f"Request({self.request_id!r}, status={self.status.name}, "
-            f"tokens={self.num_computed_tokens}/{self.num_tokens})"
-        )
+        return f"Request({self.request_id!r}, {self.status.name}, seqs={self.seqs})"

@@ -11,12 +11,13 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from cluster.engine_args import add_engine_args
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 
 # Token ids are drawn from this range: clear of the special tokens at the start of the vocabulary.
 TOKEN_ID_RANGE = (100, 40000)
@@ -33,8 +34,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     parser = benchmarks.add_parser(
         "throughput",
         help="offline throughput on random prompts",
-        description="Offline throughput on seeded random prompts (greedy, ignore_eos). "
-        "The engine's --seed also seeds the workload.",
+        description="Offline throughput on seeded random prompts (greedy, ignore_eos; with --n, seeded "
+        "sampling; with --beam-width, beam search). The engine's --seed also seeds the workload.",
     )
     parser.add_argument("--num-prompts", type=_positive_int, default=64, help="requests (default: 64)")
     parser.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens (default: 128)")
@@ -44,6 +45,16 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         type=_ratio,
         default=0.0,
         help="lengths are drawn uniformly from [len*(1-r), len*(1+r)] (default: 0.0, fixed lengths)",
+    )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--n",
+        type=_positive_int,
+        default=1,
+        help="parallel samples per prompt, sharing its blocks (default: 1)",
+    )
+    group.add_argument(
+        "--beam-width", type=_positive_int, help="beam search with this many beams instead of sampling"
     )
     parser.add_argument(
         "--output-json",
@@ -72,13 +83,28 @@ def make_workload(
     return workload
 
 
-def measure(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
-    """After an untimed warm-up, run the workload: throughput, peak KV-cache utilization, time."""
-    _run_to_completion(engine, [(prompt, WARMUP_TOKENS) for prompt in WARMUP_PROMPTS], "warmup")
+def request_params(args: argparse.Namespace, seed: int) -> Callable[[int], SamplingParams | BeamSearchParams]:
+    """The per-request settings of the run, for a given output length."""
+    if args.beam_width:
+        return lambda length: BeamSearchParams(beam_width=args.beam_width, max_tokens=length, ignore_eos=True)
+    if args.n > 1:
+        return lambda length: SamplingParams(
+            n=args.n, temperature=1.0, seed=seed, max_tokens=length, ignore_eos=True
+        )
+    return lambda length: SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
+
+
+def measure(
+    engine: LLMEngine, workload: Workload, params: Callable[[int], SamplingParams | BeamSearchParams]
+) -> dict[str, Any]:
+    """After an untimed warm-up, run the workload: throughput, KV-cache utilization and sharing, time."""
+    _run_to_completion(engine, [(prompt, WARMUP_TOKENS) for prompt in WARMUP_PROMPTS], "warmup", params)
     start = time.perf_counter()
-    output_tokens, utilization = _run_to_completion(engine, workload, "bench")
+    output_tokens, kv = _run_to_completion(engine, workload, "bench", params)
     elapsed = time.perf_counter() - start
-    expected = sum(length for _, length in workload)
+    sequences = params(1)
+    per_prompt = sequences.beam_width if isinstance(sequences, BeamSearchParams) else sequences.n
+    expected = per_prompt * sum(length for _, length in workload)
     if output_tokens != expected:
         raise RuntimeError(f"the engine produced {output_tokens} tokens, expected {expected}")
     input_tokens = sum(len(prompt) for prompt, _ in workload)
@@ -86,38 +112,63 @@ def measure(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
         "requests_per_s": len(workload) / elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
-        "kv_cache_utilization_peak": utilization["peak"],
-        "kv_cache_utilization_mean": utilization["mean"],
+        "kv_cache_utilization_peak": kv.peak_utilization,
+        "kv_cache_utilization_mean": kv.mean_utilization,
+        "kv_memory_saved_by_sharing": kv.saved_by_sharing,
         "elapsed_s": elapsed,
         "num_preemptions": engine.get_stats()["num_preemptions"],
     }
 
 
-def _run_to_completion(engine: LLMEngine, workload: Workload, id_prefix: str) -> tuple[int, dict[str, float]]:
-    """(output tokens produced, KV-cache utilization: its peak and its mean over the steps).
+class KVUsage:
+    """KV-cache figures accumulated over the steps of a run, read from the engine's stats."""
 
-    Utilization is tokens held / slots allocated, read after every step: paging wastes only the
-    unfilled tail of each request's last block. The mean weighs each step by its allocated slots,
-    so it is the share of all allocated memory-time that held tokens.
-    """
+    def __init__(self) -> None:
+        self.peak_utilization = 0.0
+        self._held = self._allocated = self._physical_blocks = self._logical_blocks = 0
+
+    def add(self, stats: dict[str, Any], block_size: int) -> None:
+        if stats["kv_slots_allocated"] == 0:
+            return
+        # Utilization is tokens held / slots allocated: paging wastes only the unfilled tail of
+        # each sequence's last block. (Sequences sharing blocks count those tokens once each but
+        # the slots once, so with sharing the ratio can pass 1.)
+        self.peak_utilization = max(
+            self.peak_utilization, stats["kv_tokens_held"] / stats["kv_slots_allocated"]
+        )
+        self._held += stats["kv_tokens_held"]
+        self._allocated += stats["kv_slots_allocated"]
+        self._physical_blocks += stats["kv_slots_allocated"] // block_size
+        self._logical_blocks += stats["kv_logical_blocks"]
+
+    @property
+    def mean_utilization(self) -> float:
+        """Weighted by allocated slots: the share of all allocated memory-time that held tokens."""
+        return self._held / self._allocated if self._allocated else 0.0
+
+    @property
+    def saved_by_sharing(self) -> float:
+        """1 - blocks used / blocks the same sequences would need unshared, over all steps."""
+        return 1.0 - self._physical_blocks / self._logical_blocks if self._logical_blocks else 0.0
+
+
+def _run_to_completion(
+    engine: LLMEngine,
+    workload: Workload,
+    id_prefix: str,
+    params: Callable[[int], SamplingParams | BeamSearchParams],
+) -> tuple[int, KVUsage]:
+    """(output tokens produced over every returned sequence, the KV-cache figures of the run)."""
     for index, (prompt, max_tokens) in enumerate(workload):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        engine.add_request(f"{id_prefix}-{index}", {"prompt_token_ids": prompt}, params)
+        engine.add_request(f"{id_prefix}-{index}", {"prompt_token_ids": prompt}, params(max_tokens))
     output_tokens = 0
-    peak, held_total, allocated_total = 0.0, 0, 0
+    usage = KVUsage()
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
-                output_tokens += len(output.outputs[0].token_ids)
-        stats = engine.get_stats()
-        # (Requests sharing prefix-cached blocks would count those tokens once each but the slots
-        # once, so the ratio could pass 1; random prompts share none.)
-        if stats["kv_slots_allocated"] > 0:
-            peak = max(peak, stats["kv_tokens_held"] / stats["kv_slots_allocated"])
-            held_total += stats["kv_tokens_held"]
-            allocated_total += stats["kv_slots_allocated"]
-    utilization = {"peak": peak, "mean": held_total / allocated_total if allocated_total else 0.0}
-    return output_tokens, utilization
+                output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
+        usage.add(engine.get_stats(), engine.config.cache.block_size)
+    return output_tokens, usage
 
 
 def run(args: argparse.Namespace, settings: dict[str, Any]) -> None:
@@ -133,8 +184,9 @@ def run(args: argparse.Namespace, settings: dict[str, Any]) -> None:
             "seed": engine_settings["seed"],
         }
         workload = make_workload(**workload_settings)
+        workload_settings.update(n=args.n, beam_width=args.beam_width)
         _check_fits(workload, engine)
-        results = measure(engine, workload)
+        results = measure(engine, workload, request_params(args, workload_settings["seed"]))
     finally:
         engine.shutdown()
     workload_settings["total_input_tokens"] = sum(len(prompt) for prompt, _ in workload)
@@ -175,6 +227,7 @@ def print_summary(results: dict[str, Any]) -> None:
         f"{results['total_tokens_per_s']:.1f} total tokens/s"
     )
     print(f"KV-cache utilization (tokens held / slots allocated): peak {peak:.1%}, mean {mean:.1%}")
+    print(f"KV memory saved by block sharing: {results['kv_memory_saved_by_sharing']:.1%}")
     print(f"Elapsed: {results['elapsed_s']:.2f} s ({results['num_preemptions']} preemptions)")
 
 

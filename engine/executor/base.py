@@ -43,11 +43,13 @@ class Executor(abc.ABC):
     ) -> list[Any]:
         """Call `method` on every worker; their results in rank order."""
 
-    def initialize_kv_cache(self) -> int:
-        """Size the cache (the smallest worker decides, so one scheduler drives all) and allocate it."""
-        num_blocks = min(self.collective_rpc("determine_num_kv_blocks"))
-        self.collective_rpc("initialize_cache", (num_blocks,))
-        return num_blocks
+    def initialize_kv_cache(self) -> tuple[int, int]:
+        """Size the device and host caches (the smallest worker decides, so that one scheduler drives
+        them all) and allocate them; returns (device blocks, host swap blocks)."""
+        sizes = self.collective_rpc("determine_num_kv_blocks")
+        num_blocks, num_cpu_blocks = min(size[0] for size in sizes), min(size[1] for size in sizes)
+        self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))
+        return num_blocks, num_cpu_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         outputs = self.collective_rpc("execute_model", (scheduler_output,))

@@ -1,8 +1,12 @@
 """Batched sampling: one pass over the whole batch, per-request parameters as tensors.
 
-Random rows are drawn with the exponential-race trick (argmax of probs / Exp(1) noise is a sample
-from probs), which lets each seeded request draw its noise from its own generator: its tokens then
-do not depend on what else shares the batch.
+vLLM v1's order of operations: logprobs of the raw logits; min_tokens and logit_bias; penalties;
+then greedy rows take the argmax while random rows are divided by their temperature, filtered by
+min_p, top-k and top-p, and drawn. Every step that no row of the batch needs is skipped.
+
+Random rows are drawn by inverse CDF (the first token whose cumulative probability passes a
+uniform number), one random number per row, so that each seeded request draws from its own
+generator: its tokens then do not depend on what else shares the batch.
 """
 
 from __future__ import annotations
@@ -11,54 +15,106 @@ import dataclasses
 
 import torch
 
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.processors import (
+    apply_logit_bias,
+    apply_min_p,
+    apply_min_tokens,
+    apply_penalties,
+    apply_top_k_top_p,
+)
+from engine.sampling_params import GREEDY_TEMPERATURE
+
+__all__ = [
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "apply_top_k_top_p",
+    "compute_logprobs",
+]
+
 
 @dataclasses.dataclass
-class SamplingMetadata:
-    """Per-row sampling settings of one step's batch of logits."""
+class LogprobsTensors:
+    """Logprobs of one token per row plus each row's top-k; column 0 is the row's own token."""
 
-    temperature: torch.Tensor  # [rows] float32; rows below GREEDY_TEMPERATURE are greedy
-    all_greedy: bool
-    top_k: torch.Tensor | None  # [rows] int64, vocab size where disabled; None when no row uses it
-    top_p: torch.Tensor | None  # [rows] float32; None when no row uses it
-    generators: dict[int, torch.Generator]  # row -> the request's own generator (seeded requests)
+    token_ids: torch.Tensor  # [rows, k + 1] int64: the sampled (or given) token, then the top-k
+    logprobs: torch.Tensor  # [rows, k + 1] float32, same layout
+    ranks: torch.Tensor  # [rows] int64: rank of the column-0 token, 1 for the most likely
+
+    def tolists(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        """The three tensors as Python lists (token ids, logprobs, ranks)."""
+        return self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Mask (to -inf) every logit outside each row's top-k and top-p nucleus."""
-    if top_k is None and top_p is None:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1)  # ascending: the kept tokens are at the end
-    vocab = logits.shape[-1]
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1 - top_p).unsqueeze(1)
-        drop[:, -1] = False  # the most likely token always stays
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+@dataclasses.dataclass
+class SamplerOutput:
+    """One step's sampled tokens, with their logprobs when some row asked for them."""
+
+    sampled_token_ids: torch.Tensor  # [rows] int64
+    logprobs: LogprobsTensors | None
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    """Logprob and rank of each row's `token_ids` entry, plus the row's top `num_logprobs`, taken
+    from the log-softmax of the raw logits (also what prompt logprobs use)."""
+    return _gather_logprobs(logits.float().log_softmax(dim=-1), token_ids, num_logprobs)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    token_ids = token_ids.long().unsqueeze(1)
+    token_logprobs = logprobs.gather(1, token_ids)
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
+    return LogprobsTensors(
+        token_ids=torch.cat((token_ids, top_ids), dim=1),
+        logprobs=torch.cat((token_logprobs, top_logprobs), dim=1),
+        ranks=ranks,
+    )
 
 
 class Sampler:
-    """Turns a batch of logits into one token per row."""
+    """Turns a batch of logits into one token per row (and its logprobs when asked for)."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # noise for rows without a seed of their own
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row of `logits` ([rows, vocab]) under the rows' settings in `meta`."""
         logits = logits.float()
+        # vLLM's default "raw_logprobs": what the model said, before any processing.
+        raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        logits = apply_min_tokens(logits, meta.min_tokens)
+        logits = apply_logit_bias(logits, meta.logit_bias)
+        logits = apply_penalties(logits, meta)
+        sampled = self._sample(logits, meta)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None)
+        return SamplerOutput(sampled, _gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs))
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy
-        is_greedy = meta.temperature < 1e-5
-        temperature = torch.where(is_greedy, torch.ones_like(meta.temperature), meta.temperature)
-        logits = apply_top_k_top_p(logits / temperature.unsqueeze(1), meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, generator in meta.generators.items():
-            noise[row].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = meta.temperature < GREEDY_TEMPERATURE
+        # Greedy rows divide by 1: their draw is thrown away, but must not overflow.
+        logits = logits / torch.where(is_greedy, 1.0, meta.temperature).unsqueeze(1)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        sampled = self._inverse_cdf(logits.softmax(dim=-1), meta.generators)
         return torch.where(is_greedy, greedy, sampled)
+
+    def _inverse_cdf(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """One draw per row from `probs`: the first token whose cumulative probability passes a
+        uniform number. One random number per row, not one per vocabulary entry as the
+        exponential race needs, and seeded rows take theirs from their own generator."""
+        uniform = torch.rand(probs.shape[0], generator=self.generator, device=probs.device)
+        for row, generator in generators.items():
+            uniform[row] = torch.rand((), generator=generator, device=probs.device)
+        cumulative = probs.cumsum(dim=-1)
+        # Scaled by the row's total, so float rounding in the cumsum can never leave u above it.
+        targets = uniform.unsqueeze(1) * cumulative[:, -1:]
+        sampled = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+        return sampled.clamp_(max=probs.shape[1] - 1)

@@ -1,13 +1,16 @@
 """The KV cache tensors of one worker: one [2, kv_heads, blocks, block_size, head_dim] tensor per layer
-(the layout kernels/cache_ops.py documents)."""
+(the layout kernels/cache_ops.py documents), and a host pool of the same layout for swapped blocks."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.outputs import SchedulerOutput
+from kernels.cache_ops import copy_blocks, swap_blocks
+
 
 class CacheEngine:
-    """Allocates this worker's share of the paged KV cache (its layers, its KV heads)."""
+    """Allocates this worker's share of the paged KV cache (its layers, its KV heads) and moves blocks."""
 
     def __init__(
         self,
@@ -16,6 +19,7 @@ class CacheEngine:
         layer_specs: dict[int, tuple[int, int]],
         dtype: torch.dtype,
         device: torch.device,
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -24,6 +28,34 @@ class CacheEngine:
             layer: torch.zeros(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
             for layer, (kv_heads, head_dim) in layer_specs.items()
         }
+        # Empty is safe here: a host block is always written by a swap-out before a swap-in reads it.
+        pin = device.type == "cuda"
+        self.cpu_caches = {
+            layer: torch.empty(2, kv_heads, num_cpu_blocks, block_size, head_dim, dtype=dtype, pin_memory=pin)
+            for layer, (kv_heads, head_dim) in layer_specs.items()
+            if num_cpu_blocks
+        }
+
+    def move_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's block moves, before its forward pass: swaps out, swaps in, then copies."""
+        for moves, to_host in (
+            (scheduler_output.blocks_to_swap_out, True),
+            (scheduler_output.blocks_to_swap_in, False),
+        ):
+            if not moves:
+                continue
+            pairs = torch.tensor(moves, dtype=torch.int64)
+            for layer, device_cache in self.kv_caches.items():
+                host_cache = self.cpu_caches[layer]
+                if to_host:
+                    swap_blocks(device_cache, host_cache, pairs)
+                else:
+                    swap_blocks(host_cache, device_cache, pairs)
+        if scheduler_output.blocks_to_copy:
+            device = next(iter(self.kv_caches.values())).device
+            copy_blocks(
+                list(self.kv_caches.values()), torch.tensor(scheduler_output.blocks_to_copy, device=device)
+            )
 
     @staticmethod
     def bytes_per_block(block_size: int, layer_specs: dict[int, tuple[int, int]], dtype: torch.dtype) -> int:

@@ -1,8 +1,8 @@
-"""The model runner's persistent batch: per-request rows that survive from step to step.
+"""The model runner's persistent batch: per-sequence rows that survive from step to step.
 
-Each request the scheduler sends keeps one row of preallocated arrays (block table, sampling
-settings) until it finishes or is preempted; a step then only applies the scheduler's deltas and
-gathers the rows it needs, instead of rebuilding everything from scratch.
+Each sequence the scheduler sends keeps one row of a preallocated block table until it finishes or
+is preempted; a step then only applies the scheduler's deltas and gathers the rows it needs,
+instead of rebuilding every table from scratch.
 """
 
 from __future__ import annotations
@@ -12,72 +12,90 @@ import dataclasses
 import numpy as np
 import torch
 
-from engine.outputs import NewRequestData
+from engine.outputs import NewSequenceData
 from engine.sampling_params import SamplingParams
+
+# An odd constant with well-mixed bits (2**64 / golden ratio): spreads consecutive positions far apart.
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 
 
 @dataclasses.dataclass
-class CachedRequestState:
-    """What a worker knows about one request."""
+class CachedSequenceState:
+    """What a worker knows about one sequence."""
 
-    req_id: str
+    seq_id: str
     token_ids: list[int]  # prompt + the outputs the scheduler has sent
+    num_prompt_tokens: int
     sampling_params: SamplingParams
+    seed: int | None
     generator: torch.Generator | None
+    eos_token_id: int | None
+    num_logprobs: int | None
+    num_prompt_logprobs: int | None
     num_computed_tokens: int
     row: int
 
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def seeded_generator(self) -> torch.Generator | None:
+        """The generator for drawing this sequence's next token, seeded from (seed, position).
+
+        Reseeding at every position, instead of letting one stream run on, makes the draw a pure
+        function of the seed and the position: a sequence preempted and recomputed, swapped, or
+        batched differently still samples exactly the same tokens.
+        """
+        if self.generator is not None:
+            position = len(self.token_ids) - self.num_prompt_tokens
+            self.generator.manual_seed((self.seed + position * _GOLDEN_GAMMA) % 2**64)
+        return self.generator
+
 
 class InputBatch:
-    """Rows of block tables and sampling parameters, indexed by `CachedRequestState.row`."""
+    """Block-table rows, indexed by `CachedSequenceState.row`, and the states that own them."""
 
-    def __init__(
-        self, max_num_reqs: int, max_blocks_per_req: int, vocab_size: int, device: torch.device
-    ) -> None:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.device = device
-        self.vocab_size = vocab_size
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
-        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
-        self.top_k = np.full(max_num_reqs, vocab_size, dtype=np.int64)
-        self.requests: dict[str, CachedRequestState] = {}
-        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.seqs: dict[str, CachedSequenceState] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
-    def add(self, new: NewRequestData) -> CachedRequestState:
+    def add(self, new: NewSequenceData) -> CachedSequenceState:
         if not self._free_rows:
-            raise RuntimeError("more requests scheduled than max_num_seqs rows")
-        row = self._free_rows.pop()
-        params = new.sampling_params
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
-        state = CachedRequestState(
-            req_id=new.req_id,
+            raise RuntimeError("more sequences scheduled than max_num_seqs rows")
+        generator = None if new.seed is None else torch.Generator(device=self.device)
+        state = CachedSequenceState(
+            seq_id=new.seq_id,
             token_ids=[*new.prompt_token_ids, *new.output_token_ids],
-            sampling_params=params,
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=new.sampling_params,
+            seed=new.seed,
             generator=generator,
+            eos_token_id=new.eos_token_id,
+            num_logprobs=new.num_logprobs,
+            num_prompt_logprobs=new.num_prompt_logprobs,
             num_computed_tokens=new.num_computed_tokens,
-            row=row,
+            row=self._free_rows.pop(),
         )
-        self.requests[new.req_id] = state
-        self.num_blocks[row] = 0
-        self.append_blocks(state, new.block_ids)
-        self.temperature[row] = params.temperature
-        self.top_p[row] = params.top_p
-        self.top_k[row] = params.top_k if params.top_k > 0 else self.vocab_size
+        self.seqs[new.seq_id] = state
+        self.set_blocks(state, 0, new.block_ids)
         return state
 
-    def remove(self, req_id: str) -> None:
-        state = self.requests.pop(req_id, None)
+    def remove(self, seq_id: str) -> None:
+        state = self.seqs.pop(seq_id, None)
         if state is not None:
             self._free_rows.append(state.row)
 
-    def append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
-        start = self.num_blocks[state.row]
+    def set_blocks(self, state: CachedSequenceState, start: int, block_ids: list[int]) -> None:
+        """The sequence's block table from `start` on becomes `block_ids`."""
         end = start + len(block_ids)
         if end > self.block_table.shape[1]:
-            raise RuntimeError(f"request {state.req_id} needs {end} blocks, more than max_model_len allows")
+            raise RuntimeError(f"sequence {state.seq_id} needs {end} blocks, more than max_model_len allows")
         self.block_table[state.row, start:end] = block_ids
         self.num_blocks[state.row] = end

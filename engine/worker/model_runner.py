@@ -18,11 +18,18 @@ from engine.models.arch_config import ArchConfig
 from engine.models.layers import PagedAttention
 from engine.models.loader import load_model
 from engine.models.model_files import resolve_model_source
-from engine.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from engine.sample.sampler import Sampler, SamplingMetadata
+from engine.outputs import (
+    CachedSequenceData,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewSequenceData,
+    SchedulerOutput,
+)
+from engine.sample.metadata import SamplingMetadata, build_sampling_metadata
+from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs
 from engine.sampling_params import SamplingParams
 from engine.worker.cache_engine import CacheEngine
-from engine.worker.input_batch import InputBatch
+from engine.worker.input_batch import CachedSequenceState, InputBatch
 from kernels.attention import AttentionMetadata, get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -40,7 +47,7 @@ class ModelRunner:
         max_model_len = config.model.max_model_len
         assert max_model_len is not None, "resolve_engine_config() sets max_model_len"
         self.input_batch = InputBatch(
-            config.scheduler.max_num_seqs, cdiv(max_model_len, self.block_size), arch.vocab_size, device
+            config.scheduler.max_num_seqs, cdiv(max_model_len, self.block_size), device
         )
         generator = torch.Generator(device=device)
         generator.manual_seed(config.model.seed)
@@ -58,59 +65,69 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        num_scheduled = scheduler_output.num_scheduled_tokens
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        order = self._batch_order(scheduler_output.num_scheduled_tokens)
-        input_ids, positions, meta, logits_rows = self._prepare_inputs(
-            order, scheduler_output.num_scheduled_tokens
-        )
-        sample_ids = [order[i] for i in logits_rows]
+            return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
+        order = self._batch_order(num_scheduled)
+        input_ids, positions, meta, logits_rows = self._prepare_inputs(order, num_scheduled)
         with set_forward_context(meta, self.kv_caches, self.attention_backend):
             hidden = self.model(input_ids, positions)
-        query_ends = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in logits_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[query_ends])
-        tokens = self.sampler(logits, self._sampling_metadata(sample_ids)).tolist()
-        for req_id in order:
-            self.input_batch.requests[req_id].num_computed_tokens += scheduler_output.num_scheduled_tokens[
-                req_id
-            ]
-        return ModelRunnerOutput(req_ids=sample_ids, sampled_token_ids=[[token] for token in tokens])
+        states = [self.input_batch.seqs[order[i]] for i in logits_rows]
+        query_ends = [meta.query_start_loc[i + 1] - 1 for i in logits_rows]
+        prompt_rows = self._prompt_logprob_rows(order, meta)
+        # One LM-head pass for the sampling rows and any prompt positions asking for log-probabilities.
+        logit_indices = query_ends + [index for _, indices, _ in prompt_rows for index in indices]
+        output = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
+        if logit_indices:  # else every sequence is mid-prefill, with no prompt logprobs wanted
+            logits = self.model.compute_logits(
+                hidden[torch.tensor(logit_indices, dtype=torch.long, device=self.device)]
+            )
+            output.prompt_logprobs = self._prompt_logprobs(prompt_rows, logits[len(states) :])
+        if states:
+            sampled = self.sampler(logits[: len(states)], self._sampling_metadata(states))
+            output.seq_ids = [state.seq_id for state in states]
+            output.sampled_token_ids = [[token] for token in sampled.sampled_token_ids.tolist()]
+            output.logprobs = self._sampled_logprobs(states, sampled.logprobs)
+        for seq_id in order:
+            self.input_batch.seqs[seq_id].num_computed_tokens += num_scheduled[seq_id]
+        return output
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
-        for req_id in scheduler_output.finished_req_ids:
-            batch.remove(req_id)
-        for new in scheduler_output.scheduled_new_reqs:
+        for seq_id in scheduler_output.finished_seq_ids:
+            batch.remove(seq_id)
+        for new in scheduler_output.scheduled_new_seqs:
             batch.add(new)
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_tokens, new_blocks, num_computed in zip(
-            cached.req_ids,
+        cached = scheduler_output.scheduled_cached_seqs
+        for seq_id, new_tokens, table_start, new_blocks, num_computed in zip(
+            cached.seq_ids,
             cached.new_token_ids,
+            cached.block_table_starts,
             cached.new_block_ids,
             cached.num_computed_tokens,
             strict=True,
         ):
-            state = batch.requests[req_id]
+            state = batch.seqs[seq_id]
             state.token_ids.extend(new_tokens)
             state.num_computed_tokens = num_computed
-            batch.append_blocks(state, new_blocks)
+            batch.set_blocks(state, table_start, new_blocks)
 
     def _batch_order(self, num_scheduled: dict[str, int]) -> list[str]:
         """Decodes first, longest first (attention batches them in runs of similar length), then prefills."""
-        requests = self.input_batch.requests
+        seqs = self.input_batch.seqs
         decodes = sorted(
-            (req_id for req_id, n in num_scheduled.items() if n == 1),
-            key=lambda req_id: requests[req_id].num_computed_tokens,
+            (seq_id for seq_id, n in num_scheduled.items() if n == 1),
+            key=lambda seq_id: seqs[seq_id].num_computed_tokens,
             reverse=True,
         )
-        return decodes + [req_id for req_id, n in num_scheduled.items() if n > 1]
+        return decodes + [seq_id for seq_id, n in num_scheduled.items() if n > 1]
 
     def _prepare_inputs(
         self, order: list[str], num_scheduled: dict[str, int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat input ids and positions, the attention metadata, and which requests sample."""
-        states = [self.input_batch.requests[req_id] for req_id in order]
-        query_lens = np.array([num_scheduled[req_id] for req_id in order], dtype=np.int64)
+        states = [self.input_batch.seqs[seq_id] for seq_id in order]
+        query_lens = np.array([num_scheduled[seq_id] for seq_id in order], dtype=np.int64)
         starts = np.array([state.num_computed_tokens for state in states], dtype=np.int64)
         seq_lens = starts + query_lens
         query_start_loc = np.concatenate(([0], np.cumsum(query_lens)))
@@ -143,19 +160,75 @@ class ModelRunner:
         )
         return self._to_device(input_ids), self._to_device(positions), meta, logits_rows
 
-    def _sampling_metadata(self, sample_ids: list[str]) -> SamplingMetadata:
-        batch = self.input_batch
-        states = [batch.requests[req_id] for req_id in sample_ids]
-        rows = np.array([state.row for state in states], dtype=np.int64)
-        temperature = batch.temperature[rows]
-        top_k, top_p = batch.top_k[rows], batch.top_p[rows]
-        return SamplingMetadata(
-            temperature=self._to_device(temperature),
-            all_greedy=bool((temperature < 1e-5).all()),
-            top_k=self._to_device(top_k) if (top_k < self.arch.vocab_size).any() else None,
-            top_p=self._to_device(top_p) if (top_p < 1.0).any() else None,
-            generators={i: state.generator for i, state in enumerate(states) if state.generator is not None},
+    def _sampling_metadata(self, states: list[CachedSequenceState]) -> SamplingMetadata:
+        meta = build_sampling_metadata(
+            [state.sampling_params for state in states],
+            [state.prompt_token_ids for state in states],
+            [state.output_token_ids for state in states],
+            [state.seeded_generator() for state in states],
+            [state.eos_token_id for state in states],
+            self.arch.vocab_size,
+            self.device,
         )
+        # The scheduler decides how many log-probabilities each sequence returns (beam search and
+        # best_of need some the user did not ask for).
+        wanted = [state.num_logprobs for state in states if state.num_logprobs is not None]
+        meta.max_num_logprobs = max(wanted) if wanted else None
+        return meta
+
+    @staticmethod
+    def _sampled_logprobs(
+        states: list[CachedSequenceState], logprobs: LogprobsTensors | None
+    ) -> list[LogprobsLists | None]:
+        if logprobs is None:
+            return []
+        token_ids, values, ranks = logprobs.tolists()
+        return [
+            None
+            if state.num_logprobs is None
+            else LogprobsLists(
+                [token_ids[row][: state.num_logprobs + 1]],
+                [values[row][: state.num_logprobs + 1]],
+                [ranks[row]],
+            )
+            for row, state in enumerate(states)
+        ]
+
+    def _prompt_logprob_rows(
+        self, order: list[str], meta: AttentionMetadata
+    ) -> list[tuple[CachedSequenceState, list[int], list[int]]]:
+        """(state, hidden rows, next prompt tokens) of every prompt position this step computes for
+        a sequence that asked for prompt log-probabilities (position p predicts prompt token p+1)."""
+        rows = []
+        for i, seq_id in enumerate(order):
+            state = self.input_batch.seqs[seq_id]
+            start = state.num_computed_tokens
+            end = min(start + meta.query_len(i), state.num_prompt_tokens - 1)
+            if state.num_prompt_logprobs is None or start >= end:
+                continue
+            first_row = meta.query_start_loc[i]
+            rows.append(
+                (
+                    state,
+                    list(range(first_row, first_row + end - start)),
+                    state.token_ids[start + 1 : end + 1],
+                )
+            )
+        return rows
+
+    def _prompt_logprobs(
+        self, rows: list[tuple[CachedSequenceState, list[int], list[int]]], logits: torch.Tensor
+    ) -> dict[str, LogprobsLists]:
+        results = {}
+        offset = 0
+        for state, indices, next_tokens in rows:
+            chunk = logits[offset : offset + len(indices)]
+            offset += len(indices)
+            tensors = compute_logprobs(
+                chunk, torch.tensor(next_tokens, device=self.device), state.num_prompt_logprobs
+            )
+            results[state.seq_id] = LogprobsLists(*tensors.tolists())
+        return results
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -175,22 +248,30 @@ class ModelRunner:
             num_seqs * blocks_per_seq, self.block_size, self.kv_cache_spec(), self.dtype, self.device
         ).kv_caches
         saved, self.kv_caches = self.kv_caches, scratch
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-        try:
-            for i, length in enumerate(per_seq):
-                block_ids = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-                self.input_batch.add(NewRequestData(f"profile-{i}", [0] * length, [], params, block_ids, 0))
-            order = [f"profile-{i}" for i in range(num_seqs)]
-            input_ids, positions, meta, rows = self._prepare_inputs(
-                order, dict(zip(order, per_seq, strict=True))
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=self.config.model.max_logprobs)
+        seqs = [
+            NewSequenceData(
+                f"profile-{i}",
+                [0] * length,
+                [],
+                params,
+                list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                0,
+                num_logprobs=params.logprobs,
             )
-            with set_forward_context(meta, self.kv_caches, self.attention_backend):
-                hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden[: len(rows)])
-            self.sampler(logits, self._sampling_metadata([order[i] for i in rows]))
+            for i, length in enumerate(per_seq)
+        ]
+        profile = SchedulerOutput(
+            scheduled_new_seqs=seqs,
+            scheduled_cached_seqs=CachedSequenceData(),
+            num_scheduled_tokens={seq.seq_id: len(seq.prompt_token_ids) for seq in seqs},
+            total_num_scheduled_tokens=num_tokens,
+        )
+        try:
+            self.execute_model(profile)
         finally:
-            for req_id in [f"profile-{i}" for i in range(num_seqs)]:
-                self.input_batch.remove(req_id)
+            for seq in seqs:
+                self.input_batch.remove(seq.seq_id)
             self.kv_caches = saved
 
     def kv_cache_spec(self) -> dict[int, tuple[int, int]]:

@@ -56,13 +56,14 @@ class Worker:
     def load_model(self) -> None:
         self.model_runner.load_model()
 
-    def determine_num_kv_blocks(self) -> int:
-        """How many KV blocks this worker can hold after a profiling pass at the batch limits."""
+    def determine_num_kv_blocks(self) -> tuple[int, int]:
+        """(device blocks, host swap blocks) this worker can hold, after a profiling pass at the batch limits."""
         cache = self.config.cache
         runner = self.model_runner
         block_bytes = CacheEngine.bytes_per_block(cache.block_size, runner.kv_cache_spec(), runner.dtype)
+        num_cpu_blocks = int(cache.swap_space * GiB) // block_bytes
         if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
+            return cache.num_kv_blocks, num_cpu_blocks
         if self.device.type == "cuda":
             budget = profile_cuda_memory(
                 runner.profile_run, self.device, cache.gpu_memory_utilization
@@ -85,16 +86,23 @@ class Worker:
                 f"no memory left for the KV cache: one block needs {block_bytes} bytes, {max(budget, 0)} are left; "
                 "lower max_num_batched_tokens / max_num_seqs or raise kv_cache_memory / gpu_memory_utilization"
             )
-        return int(num_blocks)
+        return int(num_blocks), num_cpu_blocks
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         runner = self.model_runner
         self.cache_engine = CacheEngine(
-            num_blocks, self.config.cache.block_size, runner.kv_cache_spec(), runner.dtype, self.device
+            num_blocks,
+            self.config.cache.block_size,
+            runner.kv_cache_spec(),
+            runner.dtype,
+            self.device,
+            num_cpu_blocks,
         )
         runner.kv_caches = self.cache_engine.kv_caches
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if scheduler_output.has_block_moves:
+            self.cache_engine.move_blocks(scheduler_output)
         output = self.model_runner.execute_model(scheduler_output)
         return output if get_parallel_state().is_driver else None
 

@@ -26,7 +26,7 @@ def test_transformers_runs_beside_our_kernels_package(tmp_path):
                              num_attention_heads=4, num_key_value_heads=2)
         LlamaForCausalLM(config).save_pretrained({str(tmp_path)!r})
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}).eval()
-        out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
         assert out.shape == (1, 7), out.shape
         print("ok", origin)
         """

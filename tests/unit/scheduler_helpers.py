@@ -1,33 +1,91 @@
 """Drive the scheduler without a model: requests, a fake worker with a shadow KV cache, invariants.
 
 `FakeWorker` plays the model runner's part from `SchedulerOutput` alone, as a real worker would: it
-keeps each request's tokens, block table and computed count from the new-request data and the
-deltas, "writes" every scheduled token into a shadow KV cache, checks that every position a request
-attends to holds that request's own prefix (which catches a prefix-cache hit on a block that was
-overwritten, or a block table that went wrong), and samples one token for each request whose
-scheduled tokens reach the end of its known tokens.
+keeps each sequence's tokens, block table and computed count from the new-sequence data and the
+deltas (`block_table_starts` included), applies the step's block moves first (swaps out, swaps in,
+then copies, between a shadow device cache and a shadow CPU cache), "writes" every scheduled token
+into the shadow device cache, checks that every position a sequence attends to holds that
+sequence's own prefix (which catches a prefix-cache hit on a block that was overwritten, a missing
+copy-on-write, a swap that went to the wrong block, or a block table that went wrong), and samples
+one token for each sequence whose scheduled tokens reach the end of its known tokens.
+
+The "model" is deterministic, a function of the sequence so far (so that recomputation, swapping
+and forking cannot change it): `token_fn` picks sampled tokens, and `fake_logprobs` is a fixed
+pseudo-random log-softmax over a small vocabulary, used for returned log-probabilities (beam
+candidates included) and for the tokens of greedy sequences (beam search samples greedily).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+import math
+import random
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
+from engine.block_pool import BlockPool, KVCacheBlock
 from engine.config import CacheConfig, SchedulerConfig
-from engine.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from engine.request import Request, RequestStatus, Sequence
+from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import Scheduler
 
-# (request_id, all known tokens of the request) -> the token the "model" samples next.
+# (seq_id, all known tokens of the sequence) -> the token the "model" samples next.
 TokenFn = Callable[[str, list[int]], int]
 
+VOCAB = 8  # vocabulary of `fake_logprobs`
 
-def default_token_fn(request_id: str, tokens: list[int]) -> int:
+
+def default_token_fn(seq_id: str, tokens: list[int]) -> int:
     """A token that depends only on the sequence so far (so recomputation cannot change it)."""
     return 1000 + len(tokens)
+
+
+def seq_index(seq_id: str) -> int:
+    """A sequence's index within its request, from its id ("r" -> 0, "r#3" -> 3)."""
+    return int(seq_id.rpartition("#")[2]) if "#" in seq_id else 0
+
+
+def indexed_token_fn(seq_id: str, tokens: list[int]) -> int:
+    """Like `default_token_fn`, but forks of one request sample different tokens (as seeds would)."""
+    return 1000 + 100 * seq_index(seq_id) + len(tokens)
+
+
+def fake_logprobs(tokens: SequenceOf[int], vocab: int = VOCAB) -> list[float]:
+    """A fixed pseudo-random log-softmax over `vocab` tokens, a function of the sequence so far."""
+    rng = random.Random(hash(tuple(tokens)))  # tuples of ints hash the same in every process
+    logits = [rng.uniform(-4.0, 4.0) for _ in range(vocab)]
+    top = max(logits)
+    norm = top + math.log(sum(math.exp(x - top) for x in logits))
+    return [x - norm for x in logits]
+
+
+def logprobs_row(
+    tokens: SequenceOf[int], sampled: int, num_logprobs: int, vocab: int = VOCAB
+) -> LogprobsLists:
+    """One position's LogprobsLists as a worker returns it: the sampled token, then the top-k.
+
+    A sampled token outside the small vocabulary borrows the log-probability of `token % vocab`.
+    """
+    row = fake_logprobs(tokens, vocab)
+    ranked = sorted(range(vocab), key=lambda t: row[t], reverse=True)[:num_logprobs]
+    chosen = row[sampled % vocab]
+    rank = 1 + sum(1 for value in row if value > chosen)
+    return LogprobsLists([[sampled, *ranked]], [[chosen, *(row[t] for t in ranked)]], [rank])
+
+
+def greedy_token(tokens: SequenceOf[int], vocab: int = VOCAB) -> int:
+    row = fake_logprobs(tokens, vocab)
+    return max(range(vocab), key=lambda t: row[t])
 
 
 def make_request(
@@ -40,9 +98,43 @@ def make_request(
     arrival_time: float = 0.0,
     stop_token_ids: list[int] | None = None,
     ignore_eos: bool = False,
+    n: int = 1,
+    best_of: int | None = None,
+    seed: int | None = None,
+    logprobs: int | None = None,
+    min_tokens: int = 0,
 ) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+        n=n,
+        best_of=best_of,
+        seed=seed,
+        logprobs=logprobs,
+    )
     return Request(request_id, list(prompt), params, eos_token_id, arrival_time, priority)
+
+
+def make_beam_request(
+    request_id: str,
+    prompt: Iterable[int],
+    *,
+    beam_width: int,
+    max_tokens: int,
+    eos_token_id: int | None = None,
+    length_penalty: float = 1.0,
+    ignore_eos: bool = False,
+    priority: int = 0,
+    arrival_time: float = 0.0,
+) -> Request:
+    """A beam search request as the input processor builds it (greedy per-token sampling)."""
+    beam = BeamSearchParams(
+        beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty, ignore_eos=ignore_eos
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return Request(request_id, list(prompt), params, eos_token_id, arrival_time, priority, beam)
 
 
 def make_scheduler(
@@ -53,12 +145,19 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
+    num_cpu_blocks: int = 0,
+    preemption_mode: str | None = None,
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            preemption_mode=preemption_mode,
+        ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_kv_blocks=num_blocks,
         max_model_len=max_model_len,
+        num_cpu_blocks=num_cpu_blocks,
     )
 
 
@@ -67,6 +166,8 @@ class _WorkerState:
     tokens: list[int]
     block_ids: list[int]
     num_computed: int
+    greedy: bool
+    num_logprobs: int | None
     # fingerprints[p] identifies tokens[: p + 1]: the KV at position p depends on all of them.
     fingerprints: list[int] = field(default_factory=list)
 
@@ -86,69 +187,113 @@ class FakeWorker:
     token_fn: TokenFn = default_token_fn
     # Optional cross-check: the scheduler's own view must agree with what the deltas say.
     scheduler: Scheduler | None = None
+    vocab: int = VOCAB
     states: dict[str, _WorkerState] = field(default_factory=dict)
-    # slot -> fingerprint of the token sequence (up to and including that position) whose KV sits there.
-    slots: dict[int, int] = field(default_factory=dict)
+    # block id -> fingerprints of what each of its slots holds (None: never written), per cache.
+    device: dict[int, list[int | None]] = field(default_factory=dict)
+    cpu: dict[int, list[int | None]] = field(default_factory=dict)
 
-    def _slot(self, state: _WorkerState, position: int) -> int:
-        return state.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+    def _block(self, cache: dict[int, list[int | None]], block_id: int) -> list[int | None]:
+        return cache.setdefault(block_id, [None] * self.block_size)
+
+    def _slot(self, state: _WorkerState, position: int) -> tuple[int, int]:
+        return state.block_ids[position // self.block_size], position % self.block_size
+
+    def _move(self, pairs: list[tuple[int, int]], source: dict, target: dict, what: str) -> None:
+        """Copy whole blocks, all sources read before any target is written (as one kernel).
+
+        A source may repeat (a copy-on-write block copied for several writers, a prefix block two
+        swapped requests share), a target may not."""
+        sources = [src for src, _ in pairs]
+        targets = [dst for _, dst in pairs]
+        if source is target:
+            assert not set(sources) & set(targets), f"{what}: a block is copied onto a source: {pairs}"
+        assert len(set(targets)) == len(targets), f"{what}: a target block is written twice: {pairs}"
+        contents = [list(self._block(source, src)) for src in sources]
+        for dst, content in zip(targets, contents, strict=True):
+            target[dst] = content
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in out.finished_req_ids:
-            self.states.pop(req_id, None)
-        for new in out.scheduled_new_reqs:
-            assert new.req_id not in self.states, f"{new.req_id} sent as new while the worker holds it"
-            self.states[new.req_id] = _WorkerState(
+        for seq_id in out.finished_seq_ids:
+            self.states.pop(seq_id, None)
+        # The block moves come before the forward pass, in this order.
+        self._move(out.blocks_to_swap_out, self.device, self.cpu, "swap out")
+        self._move(out.blocks_to_swap_in, self.cpu, self.device, "swap in")
+        self._move(out.blocks_to_copy, self.device, self.device, "copy")
+        for new in out.scheduled_new_seqs:
+            assert new.seq_id not in self.states, f"{new.seq_id} sent as new while the worker holds it"
+            self.states[new.seq_id] = _WorkerState(
                 tokens=list(new.prompt_token_ids) + list(new.output_token_ids),
                 block_ids=list(new.block_ids),
                 num_computed=new.num_computed_tokens,
+                greedy=new.sampling_params.is_greedy,
+                num_logprobs=new.num_logprobs,
             )
-        cached = out.scheduled_cached_reqs
-        for req_id, new_tokens, new_blocks, num_computed in zip(
-            cached.req_ids,
+        cached = out.scheduled_cached_seqs
+        for seq_id, new_tokens, start, new_blocks, num_computed in zip(
+            cached.seq_ids,
             cached.new_token_ids,
+            cached.block_table_starts,
             cached.new_block_ids,
             cached.num_computed_tokens,
             strict=True,
         ):
-            state = self.states[req_id]
-            assert state.num_computed == num_computed, (req_id, state.num_computed, num_computed)
+            state = self.states[seq_id]
+            assert state.num_computed == num_computed, (seq_id, state.num_computed, num_computed)
+            assert 0 <= start <= len(state.block_ids), (seq_id, start, state.block_ids)
             state.tokens.extend(new_tokens)
-            state.block_ids.extend(new_blocks)
-        scheduled_ids = [new.req_id for new in out.scheduled_new_reqs] + list(cached.req_ids)
+            state.block_ids[start:] = new_blocks
+        scheduled_ids = [new.seq_id for new in out.scheduled_new_seqs] + list(cached.seq_ids)
+        assert len(scheduled_ids) == len(set(scheduled_ids)), f"a sequence sent twice: {scheduled_ids}"
         assert sorted(scheduled_ids) == sorted(out.num_scheduled_tokens), "scheduled ids disagree"
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
 
         # Write the KV of every scheduled token first (all layers write before they attend) ...
-        for req_id, num in out.num_scheduled_tokens.items():
-            state = self.states[req_id]
+        for seq_id, num in out.num_scheduled_tokens.items():
+            state = self.states[seq_id]
             end = state.num_computed + num
-            assert num >= 1 and end <= len(state.tokens), (req_id, state.num_computed, num, len(state.tokens))
-            assert len(state.block_ids) * self.block_size >= end, f"{req_id}: too few blocks for {end} tokens"
+            assert num >= 1 and end <= len(state.tokens), (seq_id, state.num_computed, num, len(state.tokens))
+            assert len(state.block_ids) * self.block_size >= end, f"{seq_id}: too few blocks for {end} tokens"
             for position in range(state.num_computed, end):
-                self.slots[self._slot(state, position)] = state.fingerprint(position)
-        # ... then check that every position each request attends to holds its own prefix.
-        req_ids, sampled = [], []
-        for req_id, num in out.num_scheduled_tokens.items():
-            state = self.states[req_id]
+                block_id, offset = self._slot(state, position)
+                self._block(self.device, block_id)[offset] = state.fingerprint(position)
+        # ... then check that every position each sequence attends to holds its own prefix.
+        seq_ids, sampled, logprobs = [], [], []
+        for seq_id, num in out.num_scheduled_tokens.items():
+            state = self.states[seq_id]
             end = state.num_computed + num
             for position in range(end):
-                assert self.slots.get(self._slot(state, position)) == state.fingerprint(position), (
-                    f"{req_id}: KV at position {position} (slot {self._slot(state, position)}) is stale"
+                block_id, offset = self._slot(state, position)
+                assert self._block(self.device, block_id)[offset] == state.fingerprint(position), (
+                    f"{seq_id}: KV at position {position} (block {block_id}, slot {offset}) is stale"
                 )
             state.num_computed = end
             reaches_end = end == len(state.tokens)
-            if self.scheduler is not None and req_id in self.scheduler.requests:
-                request = self.scheduler.requests[req_id]
-                assert request.all_token_ids == state.tokens, f"{req_id}: worker tokens diverged"
-                assert request.num_computed_tokens == end
-                assert (request.num_computed_tokens == request.num_tokens) == reaches_end
+            self._cross_check(seq_id, state, reaches_end)
             if reaches_end:
                 # Like a real runner, the worker learns its own sampled token from the next delta.
-                token = self.token_fn(req_id, list(state.tokens))
-                req_ids.append(req_id)
+                tokens = list(state.tokens)
+                token = greedy_token(tokens, self.vocab) if state.greedy else self.token_fn(seq_id, tokens)
+                seq_ids.append(seq_id)
                 sampled.append([token])
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+                logprobs.append(
+                    None
+                    if state.num_logprobs is None
+                    else logprobs_row(tokens, token, state.num_logprobs, self.vocab)
+                )
+        if all(row is None for row in logprobs):
+            logprobs = []  # as a real runner: no list at all when no sequence asked for any
+        return ModelRunnerOutput(seq_ids=seq_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _cross_check(self, seq_id: str, state: _WorkerState, reaches_end: bool) -> None:
+        scheduler = self.scheduler
+        if scheduler is None or seq_id not in scheduler.seqs:
+            return
+        seq = scheduler.seqs[seq_id]
+        assert seq.all_token_ids == state.tokens, f"{seq_id}: worker tokens diverged"
+        assert seq.num_computed_tokens == state.num_computed
+        assert scheduler.kv_cache_manager.block_ids(seq_id) == state.block_ids, f"{seq_id}: block tables"
+        assert (seq.num_computed_tokens == seq.num_tokens) == reaches_end
 
 
 def step(
@@ -167,10 +312,15 @@ def step(
     return out, outputs
 
 
+def output_key(output: EngineCoreOutput) -> str:
+    """Where `collect` files an output: the request id for index 0, "id#index" for the others."""
+    return f"{output.request_id}#{output.index}" if output.index else output.request_id
+
+
 def run_until_done(
     scheduler: Scheduler, worker: FakeWorker, max_steps: int = 500
 ) -> tuple[dict[str, list[int]], dict[str, object]]:
-    """Step until nothing is left; returns the emitted tokens and the finish reason per request."""
+    """Step until nothing is left; the emitted tokens and the finish reason per sequence (`output_key`)."""
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, object] = {}
     for _ in range(max_steps):
@@ -183,16 +333,73 @@ def run_until_done(
 
 def collect(outputs: EngineCoreOutputs, tokens: dict[str, list[int]], reasons: dict[str, object]) -> None:
     for output in outputs.outputs:
-        assert output.request_id not in reasons, f"{output.request_id} reported after it finished"
-        tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        key = output_key(output)
+        assert key not in reasons, f"{key} reported after it finished"
+        tokens.setdefault(key, []).extend(output.new_token_ids)
         if output.finished:
-            reasons[output.request_id] = output.finish_reason
+            reasons[key] = output.finish_reason
 
 
 def held_blocks(scheduler: Scheduler) -> dict[str, list[int]]:
-    """Block ids each request holds (requests holding none left out)."""
+    """Device block ids each sequence holds (sequences holding none left out)."""
     kv = scheduler.kv_cache_manager
-    return {req_id: [b.block_id for b in blocks] for req_id, blocks in kv.req_to_blocks.items() if blocks}
+    return {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.req_to_blocks.items() if blocks}
+
+
+def swapped_blocks(scheduler: Scheduler) -> dict[str, list[int]]:
+    """CPU block ids each swapped-out sequence holds."""
+    kv = scheduler.kv_cache_manager
+    return {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.swapped_blocks.items() if blocks}
+
+
+def _check_pool(pool: BlockPool, tables: dict[str, list[KVCacheBlock]], name: str) -> None:
+    """Reference counts equal holders; the free queue holds exactly the unreferenced blocks."""
+    holders: Counter[int] = Counter()
+    for seq_id, blocks in tables.items():
+        ids = [b.block_id for b in blocks]
+        assert len(ids) == len(set(ids)), f"{seq_id} holds a {name} block twice: {ids}"
+        assert all(pool.blocks[b.block_id] is b for b in blocks), f"{seq_id} holds a foreign {name} block"
+        holders.update(ids)
+    for block in pool.blocks:
+        assert block.ref_cnt == holders[block.block_id], (name, block, holders[block.block_id])
+    queue = list(pool.free_queue)
+    queue_ids = [b.block_id for b in queue]
+    assert len(queue_ids) == len(set(queue_ids)), f"{name} free queue holds a block twice: {queue_ids}"
+    assert set(queue_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}, name
+    assert pool.num_free_blocks == len(queue_ids) == sum(1 for b in pool.blocks if b.ref_cnt == 0)
+    for prev, nxt in itertools.pairwise(queue):
+        assert prev.next_free is nxt and nxt.prev_free is prev
+    for block in pool.blocks:
+        if block.ref_cnt > 0:
+            assert block.prev_free is None and block.next_free is None, f"{name} {block} held but linked"
+    for block_hash, block in pool.cached_blocks.items():
+        assert block.block_hash == block_hash
+    assert sum(1 for b in pool.blocks if b.block_hash is not None) == len(pool.cached_blocks)
+
+
+def _check_sharing(tables: dict[str, list[int]], seqs: dict[str, Sequence], block_size: int) -> None:
+    """A block in several tables sits at one position, holding the same tokens for every holder:
+    a full block of equal prefixes (prefix cache, forks), or a fork's partial block that no holder
+    has written past the fork (the first writer copies it)."""
+    where: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for seq_id, table in tables.items():
+        for index, block_id in enumerate(table):
+            where[block_id].append((seq_id, index))
+    for block_id, places in where.items():
+        if len(places) < 2:
+            continue
+        indices = {index for _, index in places}
+        assert len(indices) == 1, f"block {block_id} at different positions: {places}"
+        (index,) = indices
+        start = index * block_size
+        fills = {min(seqs[seq_id].num_computed_tokens, start + block_size) - start for seq_id, _ in places}
+        assert len(fills) == 1, f"block {block_id} filled differently by its holders: {places}"
+        (fill,) = fills
+        prefixes = {tuple(seqs[seq_id].all_token_ids[: start + fill]) for seq_id, _ in places}
+        assert len(prefixes) == 1, f"block {block_id} shared by different prefixes: {places}"
+        if fill < block_size:
+            requests = {seqs[seq_id].request_id for seq_id, _ in places}
+            assert len(requests) == 1, f"partial block {block_id} shared across requests: {places}"
 
 
 def check_invariants(scheduler: Scheduler) -> None:
@@ -200,75 +407,198 @@ def check_invariants(scheduler: Scheduler) -> None:
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
     block_size = scheduler.block_size
-    holders: Counter[int] = Counter()
-    for req_id, blocks in kv.req_to_blocks.items():
-        ids = [b.block_id for b in blocks]
-        assert len(ids) == len(set(ids)), f"{req_id} holds a block twice: {ids}"
-        holders.update(ids)
-    # Reference counts equal the number of holders.
-    for block in pool.blocks:
-        assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])
-    # The free queue holds exactly the unreferenced blocks, once each, with consistent links.
-    queue = list(pool.free_queue)
-    queue_ids = [b.block_id for b in queue]
-    assert len(queue_ids) == len(set(queue_ids)), f"free queue holds a block twice: {queue_ids}"
-    assert set(queue_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
-    assert kv.num_free_blocks == len(queue_ids) == sum(1 for b in pool.blocks if b.ref_cnt == 0)
-    for prev, nxt in itertools.pairwise(queue):
-        assert prev.next_free is nxt and nxt.prev_free is prev
-    for block in pool.blocks:
-        if block.ref_cnt > 0:
-            assert block.prev_free is None and block.next_free is None, f"{block} held but linked"
-    # The hash map and the blocks agree.
-    for block_hash, block in pool.cached_blocks.items():
-        assert block.block_hash == block_hash
-    assert sum(1 for b in pool.blocks if b.block_hash is not None) == len(pool.cached_blocks)
+    _check_pool(pool, kv.req_to_blocks, "device")
+    if kv.cpu_pool is not None:
+        _check_pool(kv.cpu_pool, kv.swapped_blocks, "cpu")
+        assert all(b.block_hash is None for b in kv.cpu_pool.blocks) and not kv.cpu_pool.cached_blocks
+    else:
+        assert not any(kv.swapped_blocks.values())
 
-    # Scheduler-side: queues are disjoint, hold only live requests, and respect the caps.
-    running_ids = [r.request_id for r in scheduler.running]
-    waiting_ids = [r.request_id for r in scheduler.waiting]
-    assert not set(running_ids) & set(waiting_ids)
-    assert sorted(running_ids + waiting_ids) == sorted(scheduler.requests)
-    assert len(scheduler.running) <= scheduler.max_num_seqs
-    keys = [r.sort_key for r in scheduler.waiting]
-    assert keys == sorted(keys), "waiting queue out of priority / FCFS order"
-    for request in scheduler.waiting:
-        assert not kv.req_to_blocks.get(request.request_id), f"waiting {request} holds blocks"
-        assert request.num_computed_tokens == 0
-    tables: dict[str, list[int]] = {}
-    for request in scheduler.running:
-        table = [b.block_id for b in kv.req_to_blocks.get(request.request_id, [])]
-        # A running request holds exactly the blocks its computed tokens need.
-        assert len(table) == -(-request.num_computed_tokens // block_size), (request, table)
-        assert request.num_computed_tokens <= request.num_tokens <= scheduler.max_seq_len
-        tables[request.request_id] = table
-    assert set(held_blocks(scheduler)) <= set(tables), "a request that is not running holds blocks"
-    # A block in two tables must be a cached full block of equal prefixes at the same position.
-    where: dict[int, list[tuple[str, int]]] = {}
-    for req_id, table in tables.items():
-        for index, block_id in enumerate(table):
-            where.setdefault(block_id, []).append((req_id, index))
-    for block_id, places in where.items():
-        if len(places) < 2:
-            continue
-        assert pool.blocks[block_id].block_hash is not None, f"block {block_id} shared but not cached"
-        indices = {index for _, index in places}
-        assert len(indices) == 1, f"block {block_id} at different positions: {places}"
-        (index,) = indices
-        prefixes = {
-            tuple(scheduler.requests[req_id].all_token_ids[: (index + 1) * block_size])
-            for req_id, _ in places
-        }
-        assert len(prefixes) == 1, f"block {block_id} shared by different prefixes"
-        for req_id, _ in places:
-            assert scheduler.requests[req_id].num_computed_tokens >= (index + 1) * block_size
+    # Scheduler-side: queues are disjoint, hold only live requests, in order, within the caps.
+    queues = {"running": scheduler.running, "waiting": scheduler.waiting, "swapped": scheduler.swapped}
+    ids = [r.request_id for queue in queues.values() for r in queue]
+    assert len(ids) == len(set(ids)), f"a request in two queues (or twice): {queues}"
+    assert sorted(ids) == sorted(scheduler.requests)
+    assert all(scheduler.requests[r.request_id] is r for r in itertools.chain(*queues.values()))
+    for name in ("waiting", "swapped"):
+        keys = [r.sort_key for r in queues[name]]
+        assert keys == sorted(keys), f"{name} queue out of priority / FCFS order"
+    assert sum(r.max_num_seqs for r in scheduler.running) <= scheduler.max_num_seqs
+    live = {seq.seq_id: seq for r in scheduler.requests.values() for seq in r.live_seqs}
+    assert scheduler.seqs.keys() == live.keys() and all(scheduler.seqs[k] is v for k, v in live.items())
+    device = {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.req_to_blocks.items() if blocks}
+    cpu = {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.swapped_blocks.items() if blocks}
+    expected_status = {
+        "running": {RequestStatus.RUNNING},
+        "waiting": {RequestStatus.WAITING, RequestStatus.PREEMPTED},
+        "swapped": {RequestStatus.SWAPPED},
+    }
+    for name, queue in queues.items():
+        for request in queue:
+            assert request.status in expected_status[name], (name, request)
+            seqs = request.live_seqs
+            assert 1 <= len(seqs) <= request.max_num_seqs, request
+            assert len({seq.index for seq in request.seqs}) == len(request.seqs)
+            if request.num_pending_forks:
+                assert len(request.seqs) == 1, f"{request} forked before its prompt was cached"
+            for seq in request.seqs:
+                if seq.is_finished:
+                    assert seq.seq_id not in device and seq.seq_id not in cpu, f"finished {seq} holds blocks"
+            for seq in seqs:
+                assert seq.status in expected_status[name], (name, seq)
+                assert seq.num_computed_tokens <= request.target_num_tokens(seq), seq
+                if name != "waiting" or seq.num_output_tokens:  # (a new prompt may be too long: ignored)
+                    assert seq.num_tokens <= scheduler.max_seq_len, seq
+                num_blocks = -(-seq.num_computed_tokens // block_size)
+                if name == "running":
+                    # A running sequence holds exactly the blocks its computed tokens need.
+                    assert len(device.get(seq.seq_id, [])) == num_blocks, (seq, device.get(seq.seq_id))
+                    assert seq.seq_id not in cpu
+                    for index, block in enumerate(kv.req_to_blocks[seq.seq_id]):
+                        if seq.num_computed_tokens < (index + 1) * block_size:
+                            assert block.block_hash is None, f"{seq}: partial block {block} published"
+                elif name == "swapped":
+                    assert len(cpu.get(seq.seq_id, [])) == num_blocks, (seq, cpu.get(seq.seq_id))
+                    assert seq.seq_id not in device
+                else:
+                    assert seq.num_computed_tokens == 0, f"waiting {seq} has computed tokens"
+                    assert seq.seq_id not in device and seq.seq_id not in cpu, f"waiting {seq} holds blocks"
+    running = {seq.seq_id for r in scheduler.running for seq in r.live_seqs}
+    swapped = {seq.seq_id for r in scheduler.swapped for seq in r.live_seqs}
+    assert set(device) <= running, "a sequence that is not running holds device blocks"
+    assert set(cpu) <= swapped, "a sequence that is not swapped out holds CPU blocks"
+    _check_sharing(device, live, block_size)
+    _check_sharing(cpu, live, block_size)
 
 
 def assert_all_free(scheduler: Scheduler) -> None:
-    """Nothing left: every block back in the free queue with no reference."""
+    """Nothing left: every device and CPU block back in its free queue, no state kept anywhere."""
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
-    assert not held_blocks(scheduler)
+    assert not held_blocks(scheduler) and not swapped_blocks(scheduler)
     assert all(block.ref_cnt == 0 for block in kv.block_pool.blocks)
-    assert not scheduler.running and not scheduler.waiting and not scheduler.requests
+    if kv.cpu_pool is not None:
+        assert kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks
+        assert all(block.ref_cnt == 0 for block in kv.cpu_pool.blocks)
+    assert not scheduler.running and not scheduler.waiting and not scheduler.swapped
+    assert not scheduler.requests and not scheduler.seqs and not scheduler.beam_states
+    # No per-sequence bookkeeping outlives its sequence.
+    assert not kv.num_cached_blocks and not any(kv.req_to_block_hashes.values())
+    assert not scheduler._num_tokens_sent and not scheduler._beam_candidates
     check_invariants(scheduler)
+
+
+# ---- a plain beam search to compare against ------------------------------------------------------
+
+
+@dataclass
+class ReferenceHypothesis:
+    token_ids: list[int]
+    cumulative_logprob: float
+    score: float
+    ended_by_eos: bool
+
+
+_EXCLUDED = -1.0e9  # transformers' score for impossible beams
+
+
+def _top(scores: list[float], count: int) -> list[int]:
+    """Indices of the `count` best scores, best first; ties in index order (as merged)."""
+    return sorted(range(len(scores)), key=lambda i: -scores[i])[:count]
+
+
+def reference_beam_search(
+    prompt: list[int],
+    beam_width: int,
+    max_tokens: int,
+    eos_token_ids: set[int],
+    length_penalty: float = 1.0,
+    vocab: int = VOCAB,
+) -> list[ReferenceHypothesis]:
+    """transformers' `_beam_search` (do_sample=False, early_stopping=True, num_return_sequences =
+    num_beams), transcribed slot by slot over `fake_logprobs`: `beam_width` running slots (all but the
+    first starting at -1e9), the top 2k of slots x vocabulary, finished hypotheses merged into k
+    slots with -1e9 masks, and its three stopping conditions."""
+    k = beam_width
+    running = [[] for _ in range(k)]
+    running_scores = [0.0] + [_EXCLUDED] * (k - 1)
+    finished: list[list[int]] = [[] for _ in range(k)]
+    finished_scores = [_EXCLUDED] * k
+    finished_logprobs = [0.0] * k
+    is_sent_finished = [False] * k
+    heuristic_unsatisfied = True
+    generated = 0  # cur_len - decoder_prompt_len
+    while True:
+        # Accumulated log-probabilities of every (slot, token), and the top 2k of them.
+        flat = [
+            (running_scores[slot] + logprob, slot, token)
+            for slot in range(k)
+            for token, logprob in enumerate(fake_logprobs([*prompt, *running[slot]], vocab))
+        ]
+        top = [flat[i] for i in _top([entry[0] for entry in flat], 2 * k)]
+        top_sequences = [[*running[slot], token] for _, slot, token in top]
+        hits_stop = [generated + 1 >= max_tokens or token in eos_token_ids for _, _, token in top]
+        # The running slots of the next iteration: the best k that did not stop.
+        masked = [
+            score + (_EXCLUDED if hit else 0.0) for (score, _, _), hit in zip(top, hits_stop, strict=True)
+        ]
+        chosen = _top(masked, k)
+        next_running = [top_sequences[i] for i in chosen]
+        next_scores = [masked[i] for i in chosen]
+        # Update the finished slots with the top-k candidates that just stopped.
+        just_finished = [hit and rank < k for rank, hit in enumerate(hits_stop)]
+        full = all(is_sent_finished)
+        scores = [
+            score / (generated + 1) ** length_penalty
+            + (_EXCLUDED if full else 0.0)
+            + (0.0 if heuristic_unsatisfied else _EXCLUDED)
+            + (0.0 if done else _EXCLUDED)
+            for (score, _, _), done in zip(top, just_finished, strict=True)
+        ]
+        merged = _top(finished_scores + scores, k)
+        all_sequences = finished + top_sequences
+        all_logprobs = finished_logprobs + [score for score, _, _ in top]
+        all_finished = is_sent_finished + just_finished
+        all_scores = finished_scores + scores
+        finished = [all_sequences[i] for i in merged]
+        finished_logprobs = [all_logprobs[i] for i in merged]
+        finished_scores = [all_scores[i] for i in merged]
+        is_sent_finished = [all_finished[i] for i in merged]
+        generated += 1
+        # The early-stop heuristic, then transformers' three conditions to go on.
+        best_possible = next_scores[0] / generated**length_penalty
+        worst_finished = [min(finished_scores) if done else _EXCLUDED for done in is_sent_finished]
+        heuristic_unsatisfied = heuristic_unsatisfied and any(best_possible > w for w in worst_finished)
+        if not (heuristic_unsatisfied and not all(is_sent_finished) and not all(hits_stop)):
+            break
+        running, running_scores = next_running, next_scores
+    return [
+        ReferenceHypothesis(
+            finished[i], finished_logprobs[i], finished_scores[i], finished[i][-1] in eos_token_ids
+        )
+        for i in range(k)
+        if is_sent_finished[i]
+    ]
+
+
+def reference_sequence(
+    seq_id: str,
+    prompt: list[int],
+    token_fn: TokenFn,
+    *,
+    max_tokens: int | None,
+    eos_token_id: int | None,
+    max_seq_len: int,
+    vocab: int = VOCAB,
+) -> tuple[list[int], FinishReason, float]:
+    """What one sampled sequence must produce: (output tokens, finish reason, cumulative logprob)."""
+    tokens, out, cumulative = list(prompt), [], 0.0
+    while True:
+        token = token_fn(seq_id, tokens)
+        cumulative += logprobs_row(tokens, token, 0, vocab).logprobs[0][0]
+        tokens.append(token)
+        out.append(token)
+        if eos_token_id is not None and token == eos_token_id:
+            return out, FinishReason.STOP, cumulative
+        if (max_tokens is not None and len(out) >= max_tokens) or len(tokens) >= max_seq_len:
+            return out, FinishReason.LENGTH, cumulative

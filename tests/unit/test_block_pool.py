@@ -199,6 +199,19 @@ def test_caching_disabled_publishes_nothing():
     assert a.block_hash is None and pool.cached_blocks == {}
 
 
+def test_uncached_pool_shares_blocks_by_reference_as_the_swap_pool_does():
+    # The CPU pool for swapped-out blocks: no hashes, sharing by reference counts, tail-first frees.
+    pool = BlockPool(4, enable_caching=False)
+    a, b = pool.get_new_blocks(2)
+    pool.touch([a])  # a block two swapped sequences share
+    assert [blk.ref_cnt for blk in pool.blocks] == [2, 1, 0, 0] and pool.num_free_blocks == 2
+    pool.free_blocks(reversed([a, b]))  # one sequence's table, tail first
+    assert ids(pool.free_queue) == [2, 3, 1] and a.ref_cnt == 1
+    pool.free_blocks(reversed([a]))
+    assert ids(pool.free_queue) == [2, 3, 1, 0] and pool.usage() == 0.0
+    assert pool.cached_blocks == {} and all(blk.block_hash is None for blk in pool.blocks)
+
+
 def test_reset_prefix_cache_only_when_nothing_is_held():
     pool = BlockPool(2, enable_caching=True)
     a, b = pool.get_new_blocks(2)

@@ -1,4 +1,8 @@
-"""The batched sampler against hand-computed filters and the softmax distribution itself."""
+"""The batched sampler against hand-computed filters and the softmax distribution itself.
+
+Distribution checks sample many identical rows in one batch and compare the frequencies with a
+plain-Python reference distribution.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +11,57 @@ import math
 import pytest
 import torch
 
-from engine.sample.sampler import Sampler, SamplingMetadata, apply_top_k_top_p
+from engine.sample.metadata import SamplingMetadata, build_sampling_metadata
+from engine.sample.sampler import Sampler, apply_top_k_top_p
+from engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+DRAWS = 20000
 
 
-def metadata(rows: int, temperature: float, top_k=None, top_p=None, generators=None) -> SamplingMetadata:
-    return SamplingMetadata(
-        temperature=torch.full((rows,), temperature),
-        all_greedy=temperature < 1e-5,
-        top_k=None if top_k is None else torch.full((rows,), top_k),
-        top_p=None if top_p is None else torch.full((rows,), top_p),
-        generators=generators or {},
+def build(
+    params: list[SamplingParams],
+    vocab: int,
+    prompt: list[list[int]] | None = None,
+    output: list[list[int]] | None = None,
+    eos: list[int | None] | None = None,
+    generators: list[torch.Generator | None] | None = None,
+) -> SamplingMetadata:
+    """build_sampling_metadata on CPU, with empty token histories, no EOS and no seeds by default."""
+    rows = len(params)
+    return build_sampling_metadata(
+        params,
+        prompt if prompt is not None else [[] for _ in range(rows)],
+        output if output is not None else [[] for _ in range(rows)],
+        generators if generators is not None else [None] * rows,
+        eos if eos is not None else [None] * rows,
+        vocab,
+        torch.device("cpu"),
     )
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seed: int = 0, **history) -> list[int]:
+    """The tokens the sampler draws for `logits` under `params` (history: see `build`)."""
+    meta = build(params, logits.shape[1], **history)
+    return Sampler(torch.Generator().manual_seed(seed))(logits, meta).sampled_token_ids.tolist()
+
+
+def softmax(logits: list[float]) -> list[float]:
+    """Plain-Python softmax; -inf logits get probability 0."""
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    return [w / sum(weights) for w in weights]
+
+
+def assert_follows(tokens: list[int], probs: list[float]) -> None:
+    """The frequencies of `tokens` match `probs` within four standard errors."""
+    for token, want in enumerate(probs):
+        observed = tokens.count(token) / len(tokens)
+        assert abs(observed - want) < 4 * math.sqrt(want * (1 - want) / len(tokens)) + 1e-3, (
+            token,
+            observed,
+            want,
+        )
 
 
 def kept(masked: torch.Tensor) -> set[int]:
@@ -31,7 +73,7 @@ def test_top_k_keeps_the_k_largest():
 
 
 def test_top_p_keeps_the_smallest_nucleus():
-    probs = torch.softmax(LOGITS[0], 0).tolist()  # about [0.56, 0.21, 0.13, 0.08, 0.03]
+    probs = softmax(LOGITS[0].tolist())  # about [0.56, 0.21, 0.13, 0.08, 0.03]
     assert probs[0] < 0.6 < probs[0] + probs[1]
     assert kept(apply_top_k_top_p(LOGITS.clone(), None, torch.tensor([0.6]))) == {0, 1}
     assert kept(apply_top_k_top_p(LOGITS.clone(), None, torch.tensor([0.5]))) == {0}
@@ -41,36 +83,117 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 def test_greedy_takes_the_argmax():
     logits = torch.randn(4, 50)
-    tokens = Sampler(torch.Generator().manual_seed(0))(logits, metadata(4, 0.0))
-    assert tokens.tolist() == logits.argmax(dim=1).tolist()
+    output = Sampler(torch.Generator().manual_seed(0))(
+        logits, build([SamplingParams(temperature=0.0)] * 4, 50)
+    )
+    assert output.sampled_token_ids.tolist() == [
+        max(range(50), key=row.__getitem__) for row in logits.tolist()
+    ]
+    assert output.sampled_token_ids.dtype == torch.int64
+    assert output.logprobs is None
+
+
+def test_sampling_does_not_modify_the_callers_logits():
+    logits = LOGITS.expand(3, -1).clone()
+    params = SamplingParams(temperature=0.7, min_p=0.1, top_k=3, logit_bias={0: -5.0}, repetition_penalty=1.5)
+    sample(logits, [params] * 3, output=[[0, 1]] * 3)
+    assert torch.equal(logits, LOGITS.expand(3, -1))
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_sampling_follows_the_tempered_softmax(temperature):
-    draws = 20000
-    logits = LOGITS.expand(draws, -1).clone()
-    tokens = Sampler(torch.Generator().manual_seed(1))(logits, metadata(draws, temperature))
-    counts = torch.bincount(tokens, minlength=5).double() / draws
-    expected = [math.exp(x / temperature) for x in LOGITS[0].tolist()]
-    expected = [e / sum(expected) for e in expected]
-    for observed, want in zip(counts.tolist(), expected, strict=True):
-        assert abs(observed - want) < 4 * math.sqrt(want * (1 - want) / draws) + 1e-3
+    tokens = sample(LOGITS.expand(DRAWS, -1), [SamplingParams(temperature=temperature)] * DRAWS, seed=1)
+    assert_follows(tokens, softmax([x / temperature for x in LOGITS[0].tolist()]))
 
 
 def test_top_k_sampling_never_leaves_the_top_k():
-    logits = LOGITS.expand(2000, -1).clone()
-    tokens = Sampler(torch.Generator().manual_seed(2))(logits, metadata(2000, 1.0, top_k=torch.tensor(2)))
-    assert set(tokens.tolist()) == {0, 1}
+    tokens = sample(LOGITS.expand(2000, -1), [SamplingParams(top_k=2)] * 2000, seed=2)
+    assert set(tokens) == {0, 1}
+
+
+def test_rows_with_different_settings_follow_their_own_distributions():
+    groups = [
+        (SamplingParams(temperature=0.5), softmax([x / 0.5 for x in LOGITS[0].tolist()])),
+        # top_k=2 renormalizes the two largest logits.
+        (SamplingParams(temperature=1.0, top_k=2), softmax(LOGITS[0].tolist()[:2]) + [0.0] * 3),
+        # Token 3 forced by its bias.
+        (SamplingParams(temperature=1.5, logit_bias={3: 100.0}), [0.0, 0.0, 0.0, 1.0, 0.0]),
+        (SamplingParams(temperature=0.0), [1.0, 0.0, 0.0, 0.0, 0.0]),
+    ]
+    per_group = 5000
+    # Interleaved, so that each group's rows are spread across the batch.
+    params = [groups[row % len(groups)][0] for row in range(per_group * len(groups))]
+    tokens = sample(LOGITS.expand(len(params), -1), params, seed=3)
+    for index, (_, probs) in enumerate(groups):
+        assert_follows(tokens[index :: len(groups)], probs)
+
+
+def test_greedy_rows_are_unaffected_by_random_rows_in_the_batch():
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(4))
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=5.0, top_p=0.5, min_p=0.01)
+    mixed = sample(logits, [greedy, hot, greedy, hot, hot, greedy], seed=5)
+    alone = sample(logits, [greedy] * 6)
+    argmax = [max(range(40), key=row.__getitem__) for row in logits.tolist()]
+    assert (
+        [mixed[row] for row in (0, 2, 5)]
+        == [argmax[row] for row in (0, 2, 5)]
+        == [alone[r] for r in (0, 2, 5)]
+    )
 
 
 def test_seeded_row_does_not_depend_on_the_rest_of_the_batch():
-    def draw(batch_logits, row):
-        generator = torch.Generator().manual_seed(1234)
-        meta = metadata(batch_logits.shape[0], 1.0, generators={row: generator})
-        return Sampler(torch.Generator().manual_seed(row + 7))(batch_logits, meta)[row].item()
+    def draw(batch_logits, row, params):
+        generators = [None] * batch_logits.shape[0]
+        generators[row] = torch.Generator().manual_seed(1234)
+        return sample(batch_logits, params, seed=row + 7, generators=generators)[row]
 
     logits = torch.randn(1, 1000)
-    alone = [draw(logits, 0) for _ in range(3)]
-    crowded = draw(torch.cat([torch.randn(3, 1000), logits]), 3)
+    alone = [draw(logits, 0, [SamplingParams(seed=1234)]) for _ in range(3)]
+    # Neighbours with other settings (penalties, logprobs, filters) change nothing for the seeded row.
+    neighbours = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=5, logprobs=3, repetition_penalty=1.3),
+        SamplingParams(min_p=0.2, frequency_penalty=0.5),
+    ]
+    crowded = draw(torch.cat([torch.randn(3, 1000), logits]), 3, [*neighbours, SamplingParams(seed=1234)])
     assert alone == [alone[0]] * 3
     assert crowded == alone[0]
+
+
+def test_build_sampling_metadata_derives_every_field():
+    params = [
+        SamplingParams(temperature=0.0, seed=9, logprobs=1),
+        SamplingParams(top_k=-1, top_p=0.9, min_tokens=2, stop_token_ids=[7], logit_bias={3: 1.5}),
+        SamplingParams(top_k=3, presence_penalty=0.5, min_tokens=1, logprobs=4),
+        SamplingParams(top_k=99, repetition_penalty=1.2, min_tokens=5, seed=1),
+    ]
+    seeded = torch.Generator()
+    meta = build(
+        params,
+        vocab=10,
+        output=[[], [1], [2], [3]],
+        eos=[0, 0, 0, None],
+        generators=[torch.Generator(), None, None, seeded],
+    )
+    assert meta.temperature.tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert not meta.all_greedy
+    assert meta.top_k.tolist() == [10, 10, 3, 10]  # 0, -1 and beyond-vocab all mean "off"
+    assert meta.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0, 1.0])
+    assert meta.min_p is None
+    assert meta.generators == {3: seeded}  # the greedy row never draws
+    assert meta.presence_penalties.tolist() == [0.0, 0.0, 0.5, 0.0]
+    assert meta.frequency_penalties is None
+    assert meta.repetition_penalties.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.2])
+    # Row 2 has reached its min_tokens; row 3 has no EOS and no stop ids, so nothing to suppress.
+    assert meta.min_tokens == {1: frozenset({0, 7})}
+    assert meta.logit_bias == {1: {3: 1.5}}
+    assert meta.max_num_logprobs == 4
+
+
+def test_build_sampling_metadata_leaves_out_what_no_row_needs():
+    meta = build([SamplingParams(temperature=0.0, top_k=5), SamplingParams(temperature=0.0)], vocab=10)
+    assert meta.all_greedy
+    assert meta.top_k is meta.top_p is meta.min_p is None
+    assert meta.presence_penalties is meta.frequency_penalties is meta.repetition_penalties is None
+    assert meta.min_tokens == {} and meta.logit_bias == {} and meta.generators == {}
+    assert meta.max_num_logprobs is None

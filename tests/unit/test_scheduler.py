@@ -30,7 +30,7 @@ def setup(**kwargs):
 
 def scripted(script: dict[str, list[int]], prompt_lens: dict[str, int]):
     """A token function that plays back a fixed output per request."""
-    return lambda req_id, tokens: script[req_id][len(tokens) - prompt_lens[req_id]]
+    return lambda seq_id, tokens: script[seq_id][len(tokens) - prompt_lens[seq_id]]
 
 
 def by_id(outputs):
@@ -48,47 +48,51 @@ def test_single_request_prefill_then_decode_then_length_stop():
 
     out, outputs = step(scheduler, worker)
     assert out.num_scheduled_tokens == {"a": 10} and out.total_num_scheduled_tokens == 10
-    (new,) = out.scheduled_new_reqs
-    assert (new.req_id, new.block_ids, new.num_computed_tokens) == ("a", [0, 1, 2], 0)
+    (new,) = out.scheduled_new_seqs
+    assert (new.seq_id, new.block_ids, new.num_computed_tokens) == ("a", [0, 1, 2], 0)
     assert new.prompt_token_ids == list(range(10)) and new.output_token_ids == []
-    assert out.scheduled_cached_reqs.req_ids == []
+    assert out.scheduled_cached_seqs.seq_ids == []
     assert [(o.request_id, o.new_token_ids, o.finished) for o in outputs.outputs] == [("a", [1010], False)]
     assert request.status == RequestStatus.RUNNING
 
     out, outputs = step(scheduler, worker)
-    assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_new_reqs == []
-    cached = out.scheduled_cached_reqs
-    # Only the delta goes out: the token sampled last step, no new block (position 10 is in block 2).
-    assert (cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens) == (
-        ["a"],
-        [[1010]],
-        [[]],
-        [10],
-    )
+    assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_new_seqs == []
+    cached = out.scheduled_cached_seqs
+    # Only the delta goes out: the token sampled last step, no new block (position 10 is in block 2),
+    # so the block table changes from its end (index 3) on by nothing.
+    assert (
+        cached.seq_ids,
+        cached.new_token_ids,
+        cached.block_table_starts,
+        cached.new_block_ids,
+        cached.num_computed_tokens,
+    ) == (["a"], [[1010]], [3], [[]], [10])
     assert by_id(outputs)["a"].new_token_ids == [1011]
 
     out, outputs = step(scheduler, worker)
     assert out.num_scheduled_tokens == {"a": 1}
     final = by_id(outputs)["a"]
     assert final.new_token_ids == [1012] and final.finish_reason == FinishReason.LENGTH
-    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert request.output_token_ids == [1010, 1011, 1012]
+    (seq,) = request.seqs
+    assert seq.status == RequestStatus.FINISHED_LENGTH_CAPPED and request.is_finished
+    assert seq.output_token_ids == [1010, 1011, 1012]
     # Blocks come back as soon as the request finishes, before any further step.
     assert_all_free(scheduler)
     assert not scheduler.has_unfinished_requests()
     # The workers hear about it in the next step's output, once.
-    assert scheduler.schedule().finished_req_ids == ["a"]
-    assert scheduler.schedule().finished_req_ids == []
+    assert scheduler.schedule().finished_seq_ids == ["a"]
+    assert scheduler.schedule().finished_seq_ids == []
 
 
 def test_decode_crossing_a_block_boundary_sends_the_new_block():
     scheduler, worker = setup(num_blocks=8)
     scheduler.add_request(make_request("a", range(4), max_tokens=3))
     out, _ = step(scheduler, worker)
-    assert out.scheduled_new_reqs[0].block_ids == [0]
+    assert out.scheduled_new_seqs[0].block_ids == [0]
     out, _ = step(scheduler, worker)  # position 4 opens block 1
-    assert out.scheduled_cached_reqs.new_block_ids == [[1]]
-    assert out.scheduled_cached_reqs.num_computed_tokens == [4]
+    assert out.scheduled_cached_seqs.new_block_ids == [[1]]
+    assert out.scheduled_cached_seqs.block_table_starts == [1]  # appended after block 0
+    assert out.scheduled_cached_seqs.num_computed_tokens == [4]
 
 
 def test_duplicate_request_id_is_rejected():
@@ -105,12 +109,13 @@ def test_long_prompt_is_spread_over_several_steps():
     scheduler, worker = setup(num_blocks=8, max_num_batched_tokens=4)
     scheduler.add_request(make_request("a", range(10), max_tokens=2))
     out, outputs = step(scheduler, worker)
-    assert out.num_scheduled_tokens == {"a": 4} and out.scheduled_new_reqs[0].block_ids == [0]
+    assert out.num_scheduled_tokens == {"a": 4} and out.scheduled_new_seqs[0].block_ids == [0]
     assert outputs.outputs == []  # mid-prefill: nothing sampled
     out, outputs = step(scheduler, worker)
     assert out.num_scheduled_tokens == {"a": 4}
-    assert out.scheduled_cached_reqs.new_block_ids == [[1]]
-    assert out.scheduled_cached_reqs.new_token_ids == [[]]
+    assert out.scheduled_cached_seqs.new_block_ids == [[1]]
+    assert out.scheduled_cached_seqs.block_table_starts == [1]
+    assert out.scheduled_cached_seqs.new_token_ids == [[]]
     assert outputs.outputs == []
     out, outputs = step(scheduler, worker)
     assert out.num_scheduled_tokens == {"a": 2}
@@ -223,16 +228,16 @@ def two_growing_requests(priority_a: int = 0, priority_b: int = 0):
 
 def test_latest_request_is_preempted_and_recomputed_later():
     scheduler, worker, a, b = two_growing_requests()
-    tokens = {"a": list(a.output_token_ids), "b": list(b.output_token_ids)}
+    tokens = {"a": list(a.seqs[0].output_token_ids), "b": list(b.seqs[0].output_token_ids)}
     reasons: dict = {}
     assert tokens["b"] == [1006, 1007, 1008]
 
     out, outputs = step(scheduler, worker)
     # a needs a third block: b (same priority, later arrival) is preempted, its blocks freed.
     assert out.num_scheduled_tokens == {"a": 1}
-    assert out.finished_req_ids == ["b"]  # the workers drop b's state
-    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert b.output_token_ids == [1006, 1007, 1008]  # recompute keeps what was generated
+    assert out.finished_seq_ids == ["b"]  # the workers drop b's state
+    assert b.status == RequestStatus.PREEMPTED and b.seqs[0].num_computed_tokens == 0
+    assert b.seqs[0].output_token_ids == [1006, 1007, 1008]  # recompute keeps what was generated
     assert (scheduler.num_preemptions, a.num_preemptions, b.num_preemptions) == (1, 0, 1)
     assert [r.request_id for r in scheduler.waiting] == ["b"] and scheduler.running == [a]
     assert held_blocks(scheduler) == {"a": [0, 1, 3]}  # b's tail block (3) was freed first, reused first
@@ -244,8 +249,8 @@ def test_latest_request_is_preempted_and_recomputed_later():
     while scheduler.has_unfinished_requests():
         out, outputs = step(scheduler, worker)
         collect(outputs, tokens, reasons)
-        for new in out.scheduled_new_reqs:
-            assert new.req_id == "b" and readmitted is None
+        for new in out.scheduled_new_seqs:
+            assert new.seq_id == "b" and readmitted is None
             readmitted = new
             assert "a" in reasons  # a finished first
             assert out.num_scheduled_tokens == {"b": 9}  # the 9 known tokens, recomputed
@@ -258,7 +263,7 @@ def test_latest_request_is_preempted_and_recomputed_later():
         "a": [1006, 1007, 1008, 1009, 1010, 1011, 1012, 1013],
         "b": [1006, 1007, 1008, 1009, 1010, 1011, 1012, 1013],
     }
-    assert b.output_token_ids == tokens["b"]
+    assert b.seqs[0].output_token_ids == tokens["b"]
     assert reasons == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
     assert scheduler.num_preemptions == 1
     assert_all_free(scheduler)
@@ -269,10 +274,10 @@ def test_lower_priority_is_preempted_before_an_earlier_arrival():
     out, _ = step(scheduler, worker)
     # b outranks a (lower number), so a goes although it arrived first.
     assert out.num_scheduled_tokens == {"b": 1}
-    assert out.finished_req_ids == ["a"]
+    assert out.finished_seq_ids == ["a"]
     assert (a.status, a.num_preemptions, b.num_preemptions) == (RequestStatus.PREEMPTED, 1, 0)
     run_until_done(scheduler, worker)
-    assert a.num_output_tokens == b.num_output_tokens == 8
+    assert a.seqs[0].num_output_tokens == b.seqs[0].num_output_tokens == 8
     assert_all_free(scheduler)
 
 
@@ -282,7 +287,7 @@ def test_no_waiting_request_is_admitted_in_a_step_that_preempted():
     urgent = make_request("urgent", [42, 43], max_tokens=1, arrival_time=5.0, priority=-1)
     scheduler.add_request(urgent)
     out, _ = step(scheduler, worker)
-    assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_new_reqs == []
+    assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_new_seqs == []
     assert b.status == RequestStatus.PREEMPTED
     assert scheduler.kv_cache_manager.num_free_blocks == 1
     out, outputs = step(scheduler, worker)
@@ -303,19 +308,19 @@ def test_request_preempts_itself_when_it_is_the_lowest_priority():
     assert held_blocks(scheduler) == {"x": [0, 1], "y": [2, 3]}
     out, _ = step(scheduler, worker)
     # y needs a third block and is itself the last running request: it is the victim.
-    assert out.num_scheduled_tokens == {"x": 1} and out.finished_req_ids == ["y"]
+    assert out.num_scheduled_tokens == {"x": 1} and out.finished_seq_ids == ["y"]
     assert y.status == RequestStatus.PREEMPTED and y.num_preemptions == 1
     assert scheduler.running == [x]
     readmitted = None
     while scheduler.has_unfinished_requests():
         out, _ = step(scheduler, worker)
-        if out.scheduled_new_reqs:
-            (readmitted,) = out.scheduled_new_reqs
+        if out.scheduled_new_seqs:
+            (readmitted,) = out.scheduled_new_seqs
             assert out.num_scheduled_tokens == {"y": 5}
     # x took y's tail block (3) at its 9th token; y's head block (2) was still cached.
     assert readmitted is not None
     assert (readmitted.num_computed_tokens, readmitted.block_ids) == (4, [2, 3, 1])
-    assert x.num_output_tokens == 6 and y.num_output_tokens == 6
+    assert x.seqs[0].num_output_tokens == 6 and y.seqs[0].num_output_tokens == 6
     assert_all_free(scheduler)
 
 
@@ -330,15 +335,15 @@ def test_preempted_request_reuses_its_cached_prefix():
     out, _ = step(scheduler, worker)  # a takes block 4; b then finds none and preempts itself
     assert out.num_scheduled_tokens == {"a": 1}
     assert b.status == RequestStatus.PREEMPTED
-    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert a.is_finished and a.seqs[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
     out, _ = step(scheduler, worker)
-    (new,) = out.scheduled_new_reqs
+    (new,) = out.scheduled_new_seqs
     # b has 9 tokens; both of its full blocks are hits, only the sampled token is recomputed.
-    assert (new.req_id, new.num_computed_tokens, new.block_ids) == ("b", 8, [2, 3, 4])
+    assert (new.seq_id, new.num_computed_tokens, new.block_ids) == ("b", 8, [2, 3, 4])
     assert out.num_scheduled_tokens == {"b": 1}
     assert b.num_cached_tokens == 0  # reported to the user from the first admission only
     run_until_done(scheduler, worker)
-    assert b.output_token_ids == [1008, 1009, 1010]
+    assert b.seqs[0].output_token_ids == [1008, 1009, 1010]
     assert_all_free(scheduler)
 
 
@@ -353,15 +358,15 @@ def test_prompt_larger_than_the_cache_is_ignored_with_an_error():
     scheduler.add_request(ok)
     out, outputs = step(scheduler, worker)
     assert out.num_scheduled_tokens == {"ok": 3}  # the queue moves on past the ignored prompt
-    assert out.finished_req_ids == ["big"]
+    assert out.finished_seq_ids == []  # the workers never held it
     report = by_id(outputs)
     assert report["big"].new_token_ids == [] and report["big"].finish_reason == FinishReason.LENGTH
     assert "does not fit" in report["big"].error
-    assert big.status == RequestStatus.FINISHED_IGNORED and big.error
+    assert big.status == big.seqs[0].status == RequestStatus.FINISHED_IGNORED and big.error
     assert "big" not in scheduler.requests
     assert report["ok"].finished and report["ok"].error is None
     assert_all_free(scheduler)
-    assert scheduler.schedule().finished_req_ids == ["ok"]
+    assert scheduler.schedule().finished_seq_ids == ["ok"]
 
 
 def test_prompt_longer_than_max_model_len_is_ignored():
@@ -378,7 +383,7 @@ def test_prompt_filling_the_whole_cache_runs_and_stops_at_its_first_token():
     scheduler.add_request(request)
     _, outputs = step(scheduler, worker)
     assert by_id(outputs)["full"].new_token_ids == [1008]
-    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and request.error is None
+    assert request.seqs[0].status == RequestStatus.FINISHED_LENGTH_CAPPED and request.error is None
     assert_all_free(scheduler)
 
 
@@ -389,7 +394,7 @@ def test_running_request_that_outgrows_the_cache_is_length_capped():
     tokens, reasons = run_until_done(scheduler, worker)
     assert tokens == {"grow": [1005, 1006, 1007]}  # 5 + 3 = 8 tokens: the cache is full
     assert reasons == {"grow": FinishReason.LENGTH}
-    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert request.seqs[0].status == RequestStatus.FINISHED_LENGTH_CAPPED and request.is_finished
     assert_all_free(scheduler)
 
 
@@ -417,7 +422,7 @@ def run_scripted(request, script):
 def test_eos_stops_with_the_eos_token_included():
     request = make_request("a", [1, 2, 3], eos_token_id=7, max_tokens=10)
     assert run_scripted(request, [5, 6, 7, 8, 9]) == ([5, 6, 7], FinishReason.STOP)
-    assert request.stop_reason is None and request.status == RequestStatus.FINISHED_STOPPED
+    assert request.seqs[0].stop_reason is None and request.seqs[0].status == RequestStatus.FINISHED_STOPPED
 
 
 def test_ignore_eos_runs_to_max_tokens():
@@ -428,19 +433,39 @@ def test_ignore_eos_runs_to_max_tokens():
 def test_stop_token_id_stops_and_is_the_stop_reason():
     request = make_request("a", [1, 2, 3], eos_token_id=7, stop_token_ids=[9, 8], max_tokens=10)
     assert run_scripted(request, [5, 8, 6, 6]) == ([5, 8], FinishReason.STOP)
-    assert request.stop_reason == 8
+    assert request.seqs[0].stop_reason == 8
 
 
 def test_stop_token_ids_apply_even_with_ignore_eos():
     request = make_request("a", [1], eos_token_id=7, stop_token_ids=[9], max_tokens=10, ignore_eos=True)
     assert run_scripted(request, [7, 9, 7]) == ([7, 9], FinishReason.STOP)
-    assert request.stop_reason == 9
+    assert request.seqs[0].stop_reason == 9
 
 
 def test_max_tokens_stops_with_length():
     request = make_request("a", [1, 2], max_tokens=2)
     assert run_scripted(request, [4, 5, 6]) == ([4, 5], FinishReason.LENGTH)
-    assert request.stop_reason is None
+    assert request.seqs[0].stop_reason is None
+
+
+def test_eos_on_the_last_position_the_cache_holds_is_a_stop():
+    scheduler = make_scheduler(num_blocks=2)  # 8 tokens: the sequence ends there either way
+    request = make_request("a", range(6), eos_token_id=7, max_tokens=10)
+    worker = FakeWorker(4, scripted({"a": [5, 7]}, {"a": 6}), scheduler)
+    scheduler.add_request(request)
+    tokens, reasons = run_until_done(scheduler, worker)
+    assert (tokens, reasons) == ({"a": [5, 7]}, {"a": FinishReason.STOP})
+    assert request.seqs[0].status == RequestStatus.FINISHED_STOPPED
+
+
+def test_min_tokens_does_not_hold_a_sequence_past_the_cache():
+    scheduler = make_scheduler(num_blocks=2)
+    request = make_request("a", range(6), eos_token_id=7, max_tokens=10, min_tokens=5)
+    worker = FakeWorker(4, scripted({"a": [7, 7]}, {"a": 6}), scheduler)
+    scheduler.add_request(request)
+    tokens, reasons = run_until_done(scheduler, worker)
+    assert (tokens, reasons) == ({"a": [7, 7]}, {"a": FinishReason.LENGTH})
+    assert_all_free(scheduler)
 
 
 def test_no_eos_token_and_no_max_tokens_runs_to_max_model_len():
@@ -460,11 +485,11 @@ def test_abort_running_request_frees_its_blocks_at_once():
     step(scheduler, worker)
     assert scheduler.kv_cache_manager.num_free_blocks == 5
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    assert a.status == RequestStatus.FINISHED_ABORTED and a.is_finished
+    assert a.status == a.seqs[0].status == RequestStatus.FINISHED_ABORTED and a.is_finished
     assert_all_free(scheduler)
     assert not scheduler.has_unfinished_requests()
     out, outputs = step(scheduler, worker)
-    assert out.finished_req_ids == ["a"] and out.num_scheduled_tokens == {}
+    assert out.finished_seq_ids == ["a"] and out.num_scheduled_tokens == {}
     assert outputs.outputs == []
 
 
@@ -475,6 +500,7 @@ def test_abort_waiting_and_preempted_requests():
     scheduler.add_request(c)
     scheduler.finish_requests(["b", "c"], RequestStatus.FINISHED_ABORTED)
     assert b.status == c.status == RequestStatus.FINISHED_ABORTED
+    assert b.seqs[0].status == c.seqs[0].status == RequestStatus.FINISHED_ABORTED
     assert scheduler.waiting == [] and scheduler.running == [a]
     check_invariants(scheduler)
     _tokens, reasons = run_until_done(scheduler, worker)
@@ -489,9 +515,11 @@ def test_abort_unknown_finished_and_repeated_ids_are_no_ops():
     scheduler.add_request(a)
     scheduler.add_request(b)
     step(scheduler, worker)
-    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert a.is_finished and a.seqs[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    a_status = a.status
     scheduler.finish_requests(["nope", "a", "b", "b"], RequestStatus.FINISHED_ABORTED)
-    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED  # finished stays finished
+    # Finished stays finished.
+    assert a.status == a_status and a.seqs[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert b.status == RequestStatus.FINISHED_ABORTED
     scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
     assert_all_free(scheduler)
@@ -505,11 +533,11 @@ def test_abort_between_schedule_and_update_drops_the_sampled_token():
     scheduler.add_request(b)
     out = scheduler.schedule()
     runner_output = worker.execute(out)
-    assert sorted(runner_output.req_ids) == ["a", "b"]
+    assert sorted(runner_output.seq_ids) == ["a", "b"]
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     outputs = scheduler.update_from_output(out, runner_output)
     assert [o.request_id for o in outputs.outputs] == ["b"]
-    assert a.output_token_ids == [] and held_blocks(scheduler) == {"b": [1]}
+    assert a.seqs[0].output_token_ids == [] and held_blocks(scheduler) == {"b": [1]}
     check_invariants(scheduler)
     run_until_done(scheduler, worker)
     assert_all_free(scheduler)
@@ -541,8 +569,8 @@ def test_second_request_with_a_shared_prefix_hits_the_cache_and_shares_blocks():
     b = make_request("b", [*range(8), 50, 51, 52], max_tokens=5, arrival_time=1)
     scheduler.add_request(b)
     out, outputs = step(scheduler, worker)
-    (new,) = out.scheduled_new_reqs
-    assert (new.req_id, new.num_computed_tokens, new.block_ids) == ("b", 8, [0, 1, 3])
+    (new,) = out.scheduled_new_seqs
+    assert (new.seq_id, new.num_computed_tokens, new.block_ids) == ("b", 8, [0, 1, 3])
     assert out.num_scheduled_tokens == {"a": 1, "b": 3}
     assert b.num_cached_tokens == 8 and by_id(outputs)["b"].num_cached_tokens == 8
     pool = scheduler.kv_cache_manager.block_pool
@@ -612,9 +640,9 @@ def test_update_with_nothing_sampled_changes_nothing():
     request = make_request("a", range(5))
     scheduler.add_request(request)
     out = scheduler.schedule()
-    outputs = scheduler.update_from_output(out, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
-    assert outputs.outputs == [] and request.output_token_ids == []
-    assert request.num_computed_tokens == 2 and request.status == RequestStatus.RUNNING
+    outputs = scheduler.update_from_output(out, ModelRunnerOutput(seq_ids=[], sampled_token_ids=[]))
+    assert outputs.outputs == [] and request.seqs[0].output_token_ids == []
+    assert request.seqs[0].num_computed_tokens == 2 and request.status == RequestStatus.RUNNING
 
 
 def test_many_requests_all_finish_and_free_everything():
