@@ -37,9 +37,9 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         description="Offline throughput on seeded random prompts (greedy, ignore_eos; with --n, seeded "
         "sampling; with --beam-width, beam search). The engine's --seed also seeds the workload.",
     )
-    parser.add_argument("--num-prompts", type=_positive_int, default=64, help="requests (default: 64)")
-    parser.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens (default: 128)")
-    parser.add_argument("--output-len", type=_positive_int, default=128, help="output tokens (default: 128)")
+    parser.add_argument("--num-prompts", type=positive_int, default=64, help="requests (default: 64)")
+    parser.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (default: 128)")
+    parser.add_argument("--output-len", type=positive_int, default=128, help="output tokens (default: 128)")
     parser.add_argument(
         "--range-ratio",
         type=_ratio,
@@ -49,12 +49,12 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--n",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="parallel samples per prompt, sharing its blocks (default: 1)",
     )
     group.add_argument(
-        "--beam-width", type=_positive_int, help="beam search with this many beams instead of sampling"
+        "--beam-width", type=positive_int, help="beam search with this many beams instead of sampling"
     )
     parser.add_argument(
         "--output-json",
@@ -231,7 +231,7 @@ def print_summary(results: dict[str, Any]) -> None:
     print(f"Elapsed: {results['elapsed_s']:.2f} s ({results['num_preemptions']} preemptions)")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:

@@ -11,25 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
-from engine.models.model_files import ModelSource, packaged_model_path
-from engine.tokenizer import load_tokenizer
-
-IM_END = 2  # <|im_end|>, a special token of SmolLM2
-
-
-@functools.cache
-def smollm2_tokenizer() -> Tokenizer:
-    return backend_tokenizer(load_tokenizer(ModelSource(packaged_model_path(), "gguf")))
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return smollm2_tokenizer()
-
-
-def encode(tok: Tokenizer, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False).ids
+from engine.detokenizer import IncrementalDetokenizer
+from tests.unit.smollm2_tokens import IM_END, encode, smollm2_tokenizer
 
 
 def reference(

@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-
 import msgspec
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from engine.detokenizer import backend_tokenizer
 from engine.logprobs import Logprob, decode_logprob_token, make_logprobs_dict
-from engine.models.model_files import ModelSource, packaged_model_path
-from engine.tokenizer import load_tokenizer
-
-IM_END = 2  # <|im_end|>, a special token of SmolLM2
-
-
-@functools.cache
-def smollm2_tokenizer() -> Tokenizer:
-    return backend_tokenizer(load_tokenizer(ModelSource(packaged_model_path(), "gguf")))
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return smollm2_tokenizer()
-
-
-def ids(tok: Tokenizer, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False).ids
+from tests.unit.smollm2_tokens import IM_END, encode
 
 
 def test_logprob_defaults_and_round_trip() -> None:
@@ -38,7 +18,7 @@ def test_logprob_defaults_and_round_trip() -> None:
 
 
 def test_chosen_token_first_then_top_k_ranks(tok: Tokenizer) -> None:
-    chosen, first, second, third = ids(tok, " fox cat dog bird")
+    chosen, first, second, third = encode(tok, " fox cat dog bird")
     result = make_logprobs_dict(tok, [chosen, first, second, third], [-3.0, -0.5, -1.0, -2.0], 7, 2)
     assert list(result) == [chosen, first, second]  # the column past num_logprobs is left out
     assert [(p.logprob, p.rank) for p in result.values()] == [(-3.0, 7), (-0.5, 1), (-1.0, 2)]
@@ -46,13 +26,13 @@ def test_chosen_token_first_then_top_k_ranks(tok: Tokenizer) -> None:
 
 
 def test_num_logprobs_zero_gives_the_chosen_token_only(tok: Tokenizer) -> None:
-    chosen, first = ids(tok, " fox cat")
+    chosen, first = encode(tok, " fox cat")
     assert make_logprobs_dict(tok, [chosen, first], [-3.0, -0.5], 4, 0) == {chosen: Logprob(-3.0, 4, " fox")}
 
 
 @pytest.mark.parametrize("position", [1, 2])
 def test_chosen_token_also_in_the_top_k_has_one_entry_first(tok: Tokenizer, position: int) -> None:
-    chosen, other = ids(tok, " fox cat")
+    chosen, other = encode(tok, " fox cat")
     row = [chosen, other, chosen] if position == 2 else [chosen, chosen, other]
     logprobs = [-0.7, -0.5, -0.7] if position == 2 else [-0.5, -0.5, -0.7]
     result = make_logprobs_dict(tok, row, logprobs, position, 2)
@@ -64,13 +44,13 @@ def test_chosen_token_also_in_the_top_k_has_one_entry_first(tok: Tokenizer, posi
 
 def test_chosen_token_in_the_top_k_takes_the_top_k_rank_on_ties(tok: Tokenizer) -> None:
     # Tied logprobs: the sampler may rank the chosen token 1 while the top-k lists it second.
-    chosen, other = ids(tok, " fox cat")
+    chosen, other = encode(tok, " fox cat")
     result = make_logprobs_dict(tok, [chosen, other, chosen], [-0.5, -0.5, -0.5], 1, 2)
     assert [(token, p.rank) for token, p in result.items()] == [(chosen, 2), (other, 1)]
 
 
 def test_decoded_tokens_keep_special_tokens_and_spaces(tok: Tokenizer) -> None:
-    hello, space_world = ids(tok, "Hello world")
+    hello, space_world = encode(tok, "Hello world")
     result = make_logprobs_dict(tok, [IM_END, hello, space_world], [-0.1, -0.2, -0.3], 1, 2)
     assert [p.decoded_token for p in result.values()] == ["<|im_end|>", "Hello", " world"]
     for token, logprob in result.items():
@@ -79,7 +59,7 @@ def test_decoded_tokens_keep_special_tokens_and_spaces(tok: Tokenizer) -> None:
 
 def test_incomplete_characters_decode_with_the_preceding_chosen_tokens(tok: Tokenizer) -> None:
     text = "Hi 😀 café 日本語 👩‍💻 ok"
-    generated = ids(tok, text)
+    generated = encode(tok, text)
     assert any(tok.decode([token]).endswith("\ufffd") for token in generated)
     decoded = []
     for position, token in enumerate(generated):
@@ -89,21 +69,21 @@ def test_incomplete_characters_decode_with_the_preceding_chosen_tokens(tok: Toke
     # whole character, so the tokens' texts add up to the text.
     assert "\ufffd" not in "".join(decoded)
     assert "".join(decoded) == text
-    emoji_tokens = ids(tok, " 😀")
+    emoji_tokens = encode(tok, " 😀")
     assert [decoded[generated.index(t)] for t in emoji_tokens] == ["", " 😀"]
 
 
 def test_incomplete_character_without_context_is_empty(tok: Tokenizer) -> None:
-    first, last = ids(tok, " 😀")
+    first, last = encode(tok, " 😀")
     assert tok.decode([last]) == "\ufffd"
     assert decode_logprob_token(tok, last) == ""
     # A top-k alternative whose bytes do not complete a character after the chosen tokens is "" too.
-    assert decode_logprob_token(tok, last, ids(tok, "Hello")) == ""
+    assert decode_logprob_token(tok, last, encode(tok, "Hello")) == ""
     assert decode_logprob_token(tok, last, [first]) == " 😀"
 
 
 def test_numpy_rows_give_python_numbers(tok: Tokenizer) -> None:
-    chosen, first = ids(tok, " fox cat")
+    chosen, first = encode(tok, " fox cat")
     result = make_logprobs_dict(
         tok, np.array([chosen, first], dtype=np.int64), np.array([-1.0, -0.5], dtype=np.float32), 2, 1
     )
