@@ -115,6 +115,9 @@ class ParallelConfig(_Section):
     distributed_executor_backend: ExecutorBackend | None = Field(
         None, description="uni, mp or ray; None picks uni for one worker, mp for several"
     )
+    pipeline_partition: list[int] | None = Field(
+        None, description="Layers per pipeline stage, first to last; None splits them evenly"
+    )
 
     @property
     def world_size(self) -> int:

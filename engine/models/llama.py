@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) for paged attention.
 
 Built from `parallel/` layers, so the same code runs sharded under tensor parallelism: this file
-never computes a rank. The forward pass takes a flat batch, `forward(input_ids, positions)`; the
-batch layout reaches attention through the forward context.
+never computes a rank: pipeline stages hold only their layers (parallel/pipeline.py says which).
+The forward pass takes a flat batch, `forward(input_ids, positions)`; the batch layout reaches
+attention through the forward context.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from parallel.pipeline import IntermediateTensors, stage_layers
+from parallel.state import get_parallel_state
 
 # Checkpoint projections that live inside one fused parameter: (fused, original, shard id).
 _STACKED_PARAMS = (
@@ -101,52 +104,98 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm."""
+    """Embedding, decoder layers and final norm — of this pipeline stage only.
 
-    def __init__(self, config: ArchConfig, dtype: torch.dtype) -> None:
+    Layers outside the stage are placeholders, so parameter names keep their global layer index.
+    """
+
+    def __init__(
+        self, config: ArchConfig, dtype: torch.dtype, pipeline_partition: list[int] | None = None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        state = get_parallel_state()
+        self.is_first_stage, self.is_last_stage = state.is_first_stage, state.is_last_stage
+        self.start_layer, self.end_layer = stage_layers(config.num_layers, pipeline_partition)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+            if self.is_first_stage
+            else None
+        )
         # One cos/sin table for all layers: at long contexts it is large.
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary_emb, dtype) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, rotary_emb, dtype)
+            if self.start_layer <= i < self.end_layer
+            else nn.Identity()
+            for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden_states, intermediate.residual
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal language model: hidden states from `forward`, logits from `compute_logits`."""
+    """Causal language model: hidden states (or, before the last stage, intermediate tensors) from
+    `forward`, logits from `compute_logits` on the last stage."""
 
-    def __init__(self, config: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ArchConfig, dtype: torch.dtype, pipeline_partition: list[int] | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.model = LlamaModel(config, dtype, pipeline_partition)
+        self.lm_head = None
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+            if config.tie_word_embeddings and self.model.is_first_stage:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the last stage's hidden states (gathered over the TP group)."""
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load checkpoint tensors by Hugging Face name; every parameter must be filled exactly."""
+        """Load checkpoint tensors by Hugging Face name; every parameter of this stage must be filled.
+
+        Tensors of other stages are skipped. A last stage with tied embeddings but no embedding of
+        its own (pipeline parallel) fills its LM head from the embedding tensor.
+        """
         params = dict(self.named_parameters())
+        tied = self.config.tie_word_embeddings
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (
-                self.config.tie_word_embeddings and name == "lm_head.weight"
+            if tied and name == "model.embed_tokens.weight" and "lm_head.weight" in params:
+                params["lm_head.weight"].weight_loader(params["lm_head.weight"], tensor)
+                loaded.add("lm_head.weight")
+            if (
+                "rotary_emb.inv_freq" in name
+                or (tied and name == "lm_head.weight")
+                or not self._in_stage(name)
             ):
                 continue
             for fused, original, shard_id in _STACKED_PARAMS:
@@ -161,6 +210,15 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(_expected_entries(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:5]}")
+
+    def _in_stage(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to this pipeline stage."""
+        model = self.model
+        if name.startswith("model.layers."):
+            return model.start_layer <= int(name.split(".")[2]) < model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return model.is_first_stage
+        return model.is_last_stage  # the final norm and the LM head
 
     @staticmethod
     def _param(params: dict[str, nn.Parameter], target: str, checkpoint_name: str) -> nn.Parameter:

@@ -42,11 +42,17 @@ def iterate_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     return iterate_safetensors_weights(source.path)
 
 
-def load_model(source: ModelSource, arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Instantiate the architecture's model in `dtype` on `device` and fill it from the checkpoint."""
+def load_model(
+    source: ModelSource,
+    arch: ArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    pipeline_partition: list[int] | None = None,
+) -> nn.Module:
+    """Instantiate this rank's shard of the model in `dtype` on `device` and fill it from the checkpoint."""
     model_class = get_model_class(arch.architecture, source.path)
     with torch.device(device):
-        model = model_class(arch, dtype)
+        model = model_class(arch, dtype, pipeline_partition)
     model.load_weights(iterate_weights(source))
     logger.info("loaded %s (%s, %s) from %s", arch.architecture, dtype, device, source.path)
     return model.eval()

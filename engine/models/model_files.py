@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models.arch_config import ArchConfig
+from parallel.pipeline import partition_layers
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +114,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
             f"max_model_len ({max_model_len}) is greater than the model's context ({derived_len} tokens, "
             f"from {source.path})"
         )
+    check_parallel_layout(config, arch, device)
     model = config.model.model_copy(
         update={
             "model": str(source.path),
@@ -121,3 +124,37 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         }
     )
     return config.model_copy(update={"model": model})
+
+
+def valid_tensor_parallel_sizes(arch: ArchConfig) -> list[int]:
+    """Sizes that split the attention heads evenly and the KV heads evenly (or replicate them)."""
+    return [
+        size
+        for size in range(1, arch.num_heads + 1)
+        if arch.num_heads % size == 0 and (arch.num_kv_heads % size == 0 or size % arch.num_kv_heads == 0)
+    ]
+
+
+def check_parallel_layout(config: EngineConfig, arch: ArchConfig, device: str) -> None:
+    """Reject at start a layout the model or the machine cannot run, saying what would work."""
+    parallel = config.parallel
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    valid = valid_tensor_parallel_sizes(arch)
+    if tp not in valid:
+        raise ValueError(
+            f"{arch.architecture} has {arch.num_heads} attention heads and {arch.num_kv_heads} KV heads: "
+            f"tensor_parallel_size must be {', '.join(map(str, valid[:-1]))} or {valid[-1]}, got {tp}"
+        )
+    if pp > arch.num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {arch.num_layers} layers")
+    partition_layers(arch.num_layers, pp, parallel.pipeline_partition)
+    if device == "cuda":
+        slots, what = torch.cuda.device_count(), "CUDA devices"
+    else:
+        # Each CPU worker needs at least half a core; beyond that its collectives starve.
+        slots, what = 2 * (os.cpu_count() or 1), "CPU worker slots (two per core)"
+    if tp * pp > slots:
+        raise ValueError(
+            f"tensor_parallel_size x pipeline_parallel_size = {tp * pp} workers, but this machine has "
+            f"{slots} {what}"
+        )

@@ -6,7 +6,9 @@ prefill chunks, so that attention backends can batch decodes of similar length t
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
 
 import numpy as np
 import torch
@@ -31,6 +33,8 @@ from engine.sampling_params import SamplingParams
 from engine.worker.cache_engine import CacheEngine
 from engine.worker.input_batch import CachedSequenceState, InputBatch
 from kernels.attention import AttentionMetadata, get_attention_backend
+from parallel.pipeline import IntermediateTensors, receive_from_previous_stage, send_to_next_stage
+from parallel.state import get_parallel_state
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +59,14 @@ class ModelRunner:
         self.attention_backend = get_attention_backend()
         self.kv_caches: dict[int, torch.Tensor] = {}
         self.model: torch.nn.Module | None = None
+        # (start, end) perf_counter times of recent forward passes: shows pipeline stages overlapping.
+        self.forward_times: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
 
     def load_model(self) -> None:
         source = resolve_model_source(self.config.model.model)
-        self.model = load_model(source, self.arch, self.dtype, self.device)
+        self.model = load_model(
+            source, self.arch, self.dtype, self.device, self.config.parallel.pipeline_partition
+        )
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -70,8 +78,10 @@ class ModelRunner:
             return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
         order = self._batch_order(num_scheduled)
         input_ids, positions, meta, logits_rows = self._prepare_inputs(order, num_scheduled)
-        with set_forward_context(meta, self.kv_caches, self.attention_backend):
-            hidden = self.model(input_ids, positions)
+        hidden = self._forward(input_ids, positions, meta)
+        if not get_parallel_state().is_last_stage:
+            self._advance(order, num_scheduled)
+            return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
         states = [self.input_batch.seqs[order[i]] for i in logits_rows]
         query_ends = [meta.query_start_loc[i + 1] - 1 for i in logits_rows]
         prompt_rows = self._prompt_logprob_rows(order, meta)
@@ -88,9 +98,31 @@ class ModelRunner:
             output.seq_ids = [state.seq_id for state in states]
             output.sampled_token_ids = [[token] for token in sampled.sampled_token_ids.tolist()]
             output.logprobs = self._sampled_logprobs(states, sampled.logprobs)
+        self._advance(order, num_scheduled)
+        return output
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """This stage's part of the forward pass: hidden states on the last stage; before it, the
+        intermediate tensors are sent on to the next stage (and None is returned)."""
+        intermediate = None
+        if not get_parallel_state().is_first_stage:
+            intermediate = receive_from_previous_stage(
+                len(positions), self.arch.hidden_size, self.dtype, self.device
+            )
+        start = time.perf_counter()
+        with set_forward_context(meta, self.kv_caches, self.attention_backend):
+            hidden = self.model(input_ids, positions, intermediate)
+        self.forward_times.append((start, time.perf_counter()))
+        if isinstance(hidden, IntermediateTensors):
+            send_to_next_stage(hidden)
+            return None
+        return hidden
+
+    def _advance(self, order: list[str], num_scheduled: dict[str, int]) -> None:
         for seq_id in order:
             self.input_batch.seqs[seq_id].num_computed_tokens += num_scheduled[seq_id]
-        return output
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch

@@ -106,6 +106,10 @@ class Worker:
         output = self.model_runner.execute_model(scheduler_output)
         return output if get_parallel_state().is_driver else None
 
+    def forward_times(self) -> list[tuple[float, float]]:
+        """(start, end) perf_counter times of this worker's recent forward passes."""
+        return list(self.model_runner.forward_times)
+
     def kv_cache_shapes(self) -> dict[int, tuple[int, ...]]:
         return {layer: tuple(cache.shape) for layer, cache in self.cache_engine.kv_caches.items()}
 
