@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install test test-fast lint format bench clean
+.PHONY: install test test-fast lint format bench serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
+
+# The OpenAI-compatible server on 127.0.0.1:8000 with the packaged SmolLM2; more flags in SERVE_ARGS.
+serve: $(STAMP)
+	$(VENV)/bin/raypage api-server --host 127.0.0.1 --port 8000 --config configs/engine/smollm2.yaml $(SERVE_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/raypage bench throughput --num-prompts 64 --input-len 128 --output-len 128 --dtype bfloat16

@@ -1,8 +1,9 @@
-"""The `raypage` command: generate, chat and bench (serve and api-server are to come).
+"""The `raypage` command: generate, chat, bench and api-server (serve is to come).
 
 raypage generate "The capital of France is" --max-tokens 16
 raypage chat "Name three colors." --system "You are terse." --dtype float32
 raypage bench throughput --num-prompts 64 --input-len 128 --output-len 128
+raypage api-server --host 127.0.0.1 --port 8000 --api-key KEY
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from cluster.bench import throughput
 from cluster.engine_args import add_engine_args, engine_settings_from_args
+from cluster.openai import api_server
 from engine import LLM, SamplingParams
 
 # A handler gets the parsed arguments and the checked flat engine settings.
@@ -48,6 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(handler=run_chat, command_parser=chat, check_args=_sampling_params)
+
+    server = commands.add_parser(
+        "api-server",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions and friends with uvicorn.",
+    )
+    api_server.add_server_args(server)
+    add_engine_args(server)
+    server.set_defaults(
+        handler=api_server.run_api_server, command_parser=server, check_args=api_server.server_settings
+    )
 
     bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks with JSON results.")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")

@@ -67,5 +67,9 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def check_health(self) -> None:
+        """Raises if a worker is gone."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         self.executor.shutdown()

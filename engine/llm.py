@@ -8,13 +8,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.input_processor import PromptType
 from engine.llm_engine import LLMEngine
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -28,17 +29,21 @@ class LLM:
     max_num_batched_tokens=2048, enable_prefix_caching=True, kv_cache_memory=None, num_kv_blocks=None,
     gpu_memory_utilization=0.9, tensor_parallel_size=1, pipeline_parallel_size=1,
     distributed_executor_backend=None, device="auto"); see `engine.config` for every one.
+    `multiprocess_mode`: run the engine core in its own process; None picks one for the `mp` and
+    `ray` executors and none for `uni` (see `LLMEngine`).
     """
 
-    def __init__(self, model: str | None = None, **settings: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_flat(model=model, **settings))
+    def __init__(
+        self, model: str | None = None, *, multiprocess_mode: bool | None = None, **settings: Any
+    ) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_flat(model=model, **settings), multiprocess_mode)
         self._request_counter = itertools.count()
 
     @classmethod
-    def from_config(cls, path: str | Path, **overrides: Any) -> LLM:
+    def from_config(cls, path: str | Path, multiprocess_mode: bool | None = None, **overrides: Any) -> LLM:
         """An LLM from a flat YAML engine config (such as configs/engine/smollm2.yaml)."""
         settings = EngineConfig.from_yaml(path, **overrides).to_flat()
-        return cls(**settings)
+        return cls(multiprocess_mode=multiprocess_mode, **settings)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -117,9 +122,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        params = self._expand_params(sampling_params, len(prompts))
+        params = self._final_only(self._expand_params(sampling_params, len(prompts)))
         request_ids = self._add_requests(prompts, params)
         return self._run_engine(request_ids, use_tqdm)
+
+    @staticmethod
+    def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+        """The same params with output_kind FINAL_ONLY: LLM returns each request's last output
+        only, so the front end need not build the others (each a copy of everything so far)."""
+        converted: dict[int, SamplingParams] = {}
+        for param in params:
+            # (Anything else is left for the input processor to reject with its message.)
+            if id(param) not in converted and isinstance(param, SamplingParams):
+                converted[id(param)] = msgspec.structs.replace(
+                    param, output_kind=RequestOutputKind.FINAL_ONLY
+                )
+        return [converted.get(id(param), param) for param in params]
 
     @staticmethod
     def _expand_params(

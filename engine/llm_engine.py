@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.core_client import InprocClient
+from engine.core_client import EngineCoreClient, InprocClient
 from engine.input_processor import InputProcessor, PromptType
 from engine.models.model_files import read_arch_config, resolve_engine_config, resolve_model_source
 from engine.output_processor import OutputProcessor
@@ -20,30 +21,52 @@ from engine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
-    """Adds requests, steps the engine, and returns what each step produced."""
+def build_front_end(config: EngineConfig) -> tuple[EngineConfig, PreTrainedTokenizerBase, InputProcessor]:
+    """Resolve the config (model path, dtype, max_model_len) and load what the front end needs:
+    the tokenizer and the input processor that tokenizes and validates requests."""
+    config = resolve_engine_config(config)
+    source = resolve_model_source(config.model.model)
+    arch = read_arch_config(source)
+    tokenizer = load_tokenizer(source, config.model.tokenizer)
+    eos = tokenizer.eos_token_id
+    if eos is None and arch.eos_token_ids:
+        eos = arch.eos_token_ids[0]
+    max_model_len = config.model.max_model_len
+    assert max_model_len is not None
+    input_processor = InputProcessor(
+        tokenizer,
+        max_model_len,
+        arch.vocab_size,
+        eos,
+        arch.eos_token_ids,
+        max_logprobs=config.model.max_logprobs,
+        max_num_seqs=config.scheduler.max_num_seqs,
+    )
+    return config, tokenizer, input_processor
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = resolve_engine_config(config)
-        source = resolve_model_source(self.config.model.model)
-        arch = read_arch_config(source)
-        self.tokenizer = load_tokenizer(source, self.config.model.tokenizer)
-        eos = self.tokenizer.eos_token_id
-        if eos is None and arch.eos_token_ids:
-            eos = arch.eos_token_ids[0]
-        max_model_len = self.config.model.max_model_len
-        assert max_model_len is not None
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            max_model_len,
-            arch.vocab_size,
-            eos,
-            arch.eos_token_ids,
-            max_logprobs=self.config.model.max_logprobs,
-            max_num_seqs=self.config.scheduler.max_num_seqs,
-        )
+
+def runs_in_process(config: EngineConfig) -> bool:
+    """Whether the executor keeps its single worker in the calling process (the `uni` backend)."""
+    parallel = config.parallel
+    return (parallel.distributed_executor_backend or ("uni" if parallel.world_size == 1 else "mp")) == "uni"
+
+
+class LLMEngine:
+    """Adds requests, steps the engine, and returns what each step produced.
+
+    `multiprocess_mode`: run the EngineCore in its own process (True) or in this one (False).
+    None (the default) uses a process when the executor's workers run outside this one anyway
+    (`mp`, `ray`), and this process for the single in-process worker of `uni`: a core process
+    costs seconds to start (it imports torch again) and buys overlap of tokenization with the
+    model's steps, which matters to servers (AsyncLLMEngine always uses one) more than to batches.
+    """
+
+    def __init__(self, config: EngineConfig, multiprocess_mode: bool | None = None) -> None:
+        self.config, self.tokenizer, self.input_processor = build_front_end(config)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = InprocClient(self.config)
+        if multiprocess_mode is None:
+            multiprocess_mode = not runs_in_process(self.config)
+        self.engine_core: EngineCoreClient = EngineCoreClient.make_client(self.config, multiprocess_mode)
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> LLMEngine:
@@ -69,20 +92,26 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests and free their blocks; unknown or finished ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        live = self.output_processor.abort_requests(ids)
+        live = [output.request_id for output in self.output_processor.abort_requests(ids)]
         if live:
             self.engine_core.abort_requests(live)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; the outputs of every request that progressed or finished."""
+        """Run one engine step; the outputs (per each request's output_kind) of the requests that
+        progressed or finished. With no unfinished request there is nothing to wait for: []."""
+        if not self.output_processor.has_unfinished_requests():
+            return []
         outputs = self.engine_core.get_output()
         stats = outputs.scheduler_stats
-        if not outputs.outputs and stats and not stats.num_running_reqs + stats.num_waiting_reqs:
-            # The core holds nothing yet the front end waits: fail loudly rather than spin forever.
+        idle = stats is not None and not stats.num_running_reqs + stats.num_waiting_reqs
+        # An in-process core answers at once, so an idle answer with nothing in it is the truth:
+        # the core lost the requests the front end waits for; fail loudly rather than spin forever.
+        # (A core process reports its state after every add, abort or stop even when idle, so an
+        # idle report from it may predate requests still on their way to it.)
+        if isinstance(self.engine_core, InprocClient) and idle and not outputs.outputs:
             lost = sorted(self.output_processor.requests)
-            if lost:
-                self.output_processor.abort_requests(lost)
-                raise RuntimeError(f"the engine core finished requests {lost} without reporting them")
+            self.output_processor.abort_requests(lost)
+            raise RuntimeError(f"the engine core finished requests {lost} without reporting them")
         results, stops = self.output_processor.process_outputs(outputs.outputs)
         for stop in stops:
             self.engine_core.stop_sequence(stop.request_id, stop.index, stop.stop_reason)

@@ -1,12 +1,14 @@
 """The typed messages that cross a boundary, each exactly one.
 
-front end -> core:       EngineCoreRequest
+front end -> core:       EngineCoreRequest, AbortRequests, StopSequence, UtilityRequest
+core -> front end:       EngineCoreOutputs, UtilityOutput, EngineCoreReady, EngineCoreFailure
 scheduler -> workers:    SchedulerOutput (full data for new requests, deltas for running ones)
 last stage -> scheduler: ModelRunnerOutput
-core -> front end:       EngineCoreOutputs
 front end -> user:       RequestOutput / CompletionOutput
 
-They are msgspec Structs so that the ZeroMQ and Ray paths serialize them without pickle.
+They are msgspec Structs so that the ZeroMQ and Ray paths serialize them without pickle. Over
+ZeroMQ each message is two frames: its type (`EngineCoreRequestType` / `EngineCoreOutputType`, one
+byte) and its msgpack body, so the receiver decodes the body straight into the right Struct.
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     # Set on the last output of a request the core has finished with (all its sequences done).
     request_finished: bool = False
+    # time.time() when the scheduler first scheduled the request; on its first output only.
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -161,6 +165,70 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of a message to the core process: how to decode the second."""
+
+    ADD = b"\x00"  # EngineCoreRequest
+    ABORT = b"\x01"  # AbortRequests
+    STOP_SEQUENCE = b"\x02"  # StopSequence
+    UTILITY = b"\x03"  # UtilityRequest
+
+
+class EngineCoreOutputType(bytes, enum.Enum):
+    """First frame of a message from the core process: how to decode the second."""
+
+    OUTPUTS = b"\x00"  # EngineCoreOutputs
+    UTILITY = b"\x01"  # UtilityOutput
+    READY = b"\x02"  # EngineCoreReady
+    FAILURE = b"\x03"  # EngineCoreFailure
+
+
+class AbortRequests(msgspec.Struct, array_like=True):
+    """Finish these requests and free their blocks; unknown or finished ids are ignored."""
+
+    request_ids: list[str]
+
+
+class StopSequence(msgspec.Struct, array_like=True):
+    """The front end matched a stop string in sequence `index`: finish it in the core."""
+
+    request_id: str
+    index: int
+    stop_reason: str
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    """Call an EngineCore method by name (from a fixed list) and answer with a UtilityOutput."""
+
+    call_id: int
+    method: str
+    args: list = msgspec.field(default_factory=list)
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The answer to UtilityRequest `call_id`: the msgpack-encoded result, or the error's message.
+
+    The result stays raw here because only the caller knows its type (`get_stats` answers a
+    SchedulerStats): it decodes it with that type.
+    """
+
+    call_id: int
+    result: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"\xc0"))  # msgpack nil
+    error: str | None = None
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True):
+    """The core process built its EngineCore (workers, model, KV cache) and reads requests now."""
+
+    scheduler_stats: SchedulerStats
+
+
+class EngineCoreFailure(msgspec.Struct, array_like=True):
+    """The core process failed (at startup, or in its step loop) and exits: the error's message."""
+
+    message: str
 
 
 class CompletionOutput(msgspec.Struct, kw_only=True):

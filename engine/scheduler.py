@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Iterable
 
 from engine.beam_search import BeamSearchState
@@ -84,6 +85,8 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         # Tokens of each sequence the workers have been sent; absent: the workers do not hold it.
         self._num_tokens_sent: dict[str, int] = {}
+        # time.time() of each request's first scheduling, until its first output carries it.
+        self._first_scheduled_times: dict[str, float] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -182,6 +185,8 @@ class Scheduler:
                 news = self._advance_beams(request, logprobs)
             else:
                 news = self._append_tokens(request, sampled, logprobs, prompt_logprobs)
+            if news and request.request_id in self._first_scheduled_times:
+                news[0].first_scheduled_time = self._first_scheduled_times.pop(request.request_id)
             if not request.live_seqs:
                 self._finish_request(request, RequestStatus.FINISHED_STOPPED)
                 if news:
@@ -413,6 +418,8 @@ class Scheduler:
                 self._schedule_request(request, plan, may_preempt=False)
 
     def _start(self, request: Request) -> None:
+        if request.status == RequestStatus.WAITING:  # not a preempted or swapped request resuming
+            self._first_scheduled_times[request.request_id] = time.time()
         request.status = RequestStatus.RUNNING
         for seq in request.live_seqs:
             seq.status = RequestStatus.RUNNING
@@ -557,5 +564,6 @@ class Scheduler:
                 queue.remove(request)
         request.status = status
         self.requests.pop(request.request_id, None)
+        self._first_scheduled_times.pop(request.request_id, None)
         self.beam_states.pop(request.request_id, None)
         self._beam_candidates.pop(request.request_id, None)

@@ -29,8 +29,12 @@ class Executor(abc.ABC):
             from engine.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
+        if backend == "mp":
+            from engine.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor
         raise ValueError(
-            f"distributed_executor_backend={backend!r} is not available in this build yet (only 'uni')"
+            f"distributed_executor_backend={backend!r} is not available in this build yet (only 'uni' and 'mp')"
         )
 
     @abc.abstractmethod
@@ -39,9 +43,17 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def collective_rpc(
-        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> list[Any]:
-        """Call `method` on every worker; their results in rank order."""
+        """Call `method` on every worker; their results in rank order.
+
+        With workers in other processes, a worker's exception comes back as a RuntimeError naming its
+        rank, a dead worker raises EngineDeadError, and `timeout` (seconds; None: no limit) bounds the
+        wait with a TimeoutError. An in-process worker's exception propagates as it is."""
 
     def initialize_kv_cache(self) -> tuple[int, int]:
         """Size the device and host caches (the smallest worker decides, so that one scheduler drives

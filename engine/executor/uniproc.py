@@ -17,8 +17,13 @@ class UniProcExecutor(Executor):
         self.worker.load_model()
 
     def collective_rpc(
-        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> list[Any]:
+        # In-process: the call returns or raises here, so the timeout has nothing to bound.
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
     def shutdown(self) -> None:

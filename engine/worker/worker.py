@@ -7,6 +7,7 @@ Executors call these methods by name (`collective_rpc`), in this order: `init_de
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -115,3 +116,12 @@ class Worker:
 
     def check_health(self) -> None:
         """A worker that can answer is healthy; executors detect the ones that cannot."""
+
+    def process_info(self) -> dict[str, int]:
+        """Which process answers as which rank, and the torch threads it runs (for diagnostics)."""
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "pid": os.getpid(),
+            "num_threads": torch.get_num_threads(),
+        }

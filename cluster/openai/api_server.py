@@ -1,0 +1,93 @@
+"""`raypage api-server`: the OpenAI-compatible app over an `AsyncLLMEngine`, served by uvicorn.
+
+raypage api-server --host 127.0.0.1 --port 8000 [--api-key K] [--served-model-name NAME] [engine flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
+from cluster.openai.app import ServerSettings, build_app
+from engine.async_llm_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.models.model_files import PACKAGED_GGUF, resolve_engine_config
+
+API_KEY_ENV = "RAYPAGE_API_KEY"
+# Seconds that in-flight requests get to finish after SIGTERM or Ctrl-C.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server", "HTTP server settings.")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        f"(default: ${API_KEY_ENV}, else no key)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="names clients use in 'model' (default: the --model value, or the packaged model's name)",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="larger request bodies get 413 (default: 1048576)",
+    )
+    group.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between throughput log lines; 0 turns them off (default: 10)",
+    )
+    group.add_argument("--disable-access-log", action="store_true", help="do not log every request")
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The app settings from the parsed flags; ValueError on a bad one."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    model = getattr(args, "model", None)
+    default_name = model if model else Path(PACKAGED_GGUF).name.split(".")[0]
+    return ServerSettings(
+        served_model_names=args.served_model_name or [default_name],
+        api_key=args.api_key or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        log_stats_interval=args.log_stats_interval,
+    )
+
+
+def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None:
+    """Start the engine core, then serve until SIGINT or SIGTERM; the engine is shut down after."""
+    settings = server_settings(args)
+    # Resolved first: the token-count histograms are bucketed up to max_model_len.
+    config = resolve_engine_config(EngineConfig.from_flat(**engine_settings))
+    assert config.model.max_model_len is not None
+    prometheus = PrometheusStatLogger(settings.served_model_names[0], config.model.max_model_len)
+    log_stats = LoggingStatLogger()
+    engine = AsyncLLMEngine.from_config(config, stat_loggers=[prometheus, log_stats])
+    try:
+        app = build_app(engine, settings, prometheus, log_stats)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                access_log=not args.disable_access_log,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            )
+        )
+        server.run()
+    finally:
+        engine.shutdown()

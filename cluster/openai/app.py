@@ -1,0 +1,155 @@
+"""The OpenAI-compatible FastAPI app, built by `build_app(engine, settings)` from any engine client.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version,
+GET /metrics, POST /tokenize, POST /detokenize.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
+from cluster.openai.engine_client import EngineClient
+from cluster.openai.errors import install_error_handlers
+from cluster.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from cluster.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    OpenAIBaseModel,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from cluster.openai.serving_chat import OpenAIServingChat
+from cluster.openai.serving_completion import OpenAIServingCompletion
+from cluster.openai.serving_tokenize import OpenAIServingTokenization
+
+logger = logging.getLogger(__name__)
+
+# Open without an API key: load balancers and Prometheus probe these.
+OPEN_PATHS = ("/health", "/metrics")
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    """HTTP settings of the app (the engine has its own config)."""
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_request_body_bytes: int = 1 << 20
+    log_stats_interval: float = 10.0  # seconds between throughput log lines; 0 turns them off
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must name at least one model")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
+
+
+def _package_version() -> str:
+    try:
+        return version("raypage")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_app(
+    engine: EngineClient,
+    settings: ServerSettings,
+    prometheus: PrometheusStatLogger | None = None,
+    log_stats: LoggingStatLogger | None = None,
+) -> FastAPI:
+    """The app serving `engine` under `settings.served_model_names`.
+
+    `prometheus` and `log_stats` are the stat loggers the engine was started with; without
+    `prometheus` the app keeps its own, whose gauges /metrics refreshes from `engine.get_stats()`.
+    """
+    max_model_len = engine.config.model.max_model_len or 0
+    prometheus = prometheus or PrometheusStatLogger(settings.served_model_names[0], max_model_len)
+    completion = OpenAIServingCompletion(engine, settings.served_model_names)
+    chat = OpenAIServingChat(engine, settings.served_model_names)
+    tokenization = OpenAIServingTokenization(engine, settings.served_model_names)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None
+        if log_stats is not None and settings.log_stats_interval > 0:
+            task = asyncio.create_task(_log_periodically(engine, log_stats, settings.log_stats_interval))
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="raypage", version=_package_version(), lifespan=lifespan)
+    known_params = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+    install_error_handlers(app, known_params)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw_request: Request):
+        _warn_ignored(body)
+        return await completion.create_completion(body, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
+        _warn_ignored(body)
+        return await chat.create_chat_completion(body, raw_request)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        root = engine.config.model.model or ""
+        cards = [
+            ModelCard(id=name, root=root, max_model_len=max_model_len) for name in settings.served_model_names
+        ]
+        return ModelList(data=cards)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.detokenize(body)
+
+    @app.get("/health")
+    async def health() -> Response:
+        await engine.check_health()  # EngineDeadError -> 503
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": _package_version()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if not engine.errored:
+            prometheus.update_scheduler_stats(engine.get_stats())
+        return Response(prometheus.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # Added last = outermost: the key is checked before any of the body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
+    return app
+
+
+def _warn_ignored(body: OpenAIBaseModel) -> None:
+    ignored = body.ignored_fields()
+    if ignored:
+        logger.warning("ignoring fields this server does not support: %s", ", ".join(ignored))
+
+
+async def _log_periodically(engine: EngineClient, log_stats: LoggingStatLogger, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        log_stats.log(None if engine.errored else engine.get_stats())

@@ -1,0 +1,149 @@
+"""What the completion and chat handlers share: model names, the context check, validation, and
+running a request's prompts through the engine."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from http import HTTPStatus
+from typing import Any
+
+import jinja2
+
+from cluster.openai.engine_client import EngineClient
+from cluster.openai.errors import OpenAIError
+from cluster.openai.protocol import ChatMessage, UsageInfo
+from cluster.openai.streaming import merge_streams
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class EnginePrompt:
+    """A tokenized prompt: its ids, and its text when the client sent text."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIServing:
+    """Base of the route handlers: one engine, the names it is served under."""
+
+    def __init__(self, engine: EngineClient, served_model_names: Sequence[str]) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.tokenizer = engine.tokenizer
+        max_model_len = engine.config.model.max_model_len
+        assert max_model_len is not None, "the engine's config must be resolved"
+        self.max_model_len = max_model_len
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The served name a request addresses (the first one when it names none); 404 otherwise."""
+        if not requested:
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist.", "model")
+        return requested
+
+    async def check_engine(self) -> None:
+        """Fail fast with 503 (EngineDeadError, saying why) when the engine is dead, before any work."""
+        await self.engine.check_health()
+
+    def max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        """Tokens to generate: as asked, or whatever the context leaves (vLLM's rule and messages)."""
+        limit = self.max_model_len
+        if requested is None:
+            if num_prompt_tokens >= limit:
+                raise OpenAIError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"This model's maximum context length is {limit} tokens. However, your request has "
+                    f"{num_prompt_tokens} input tokens. Please reduce the length of the input messages.",
+                )
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + requested > limit:
+            raise OpenAIError(
+                HTTPStatus.BAD_REQUEST,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the messages, "
+                f"{requested} in the completion). Please reduce the length of the messages or completion.",
+            )
+        return requested
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> EnginePrompt:
+        """Messages rendered with the tokenizer's chat template, then tokenized.
+
+        The template writes the special tokens itself, so by default tokenizing adds none.
+        """
+        options = {
+            **(template_kwargs or {}),
+            # Ours win over the client's template kwargs: the text, not ids, must come back.
+            "tokenize": False,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
+        try:
+            text = self.tokenizer.apply_chat_template([m.template_dict() for m in messages], **options)
+        except jinja2.TemplateError as exc:
+            raise OpenAIError(
+                HTTPStatus.BAD_REQUEST, f"The chat template failed: {exc}", "messages"
+            ) from None
+        return EnginePrompt(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids, text)
+
+    def validate(self, prompt: EnginePrompt, params: SamplingParams) -> None:
+        """The engine's own checks (vocabulary, logprob and sequence limits), run before the
+        response starts so that a bad request is a 400 and never a broken stream."""
+        self.engine.input_processor.process("validation", {"prompt_token_ids": prompt.token_ids}, params)
+
+    async def generate(
+        self, request_id: str, prompts: list[EnginePrompt], params: list[SamplingParams], priority: int
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The outputs of every prompt's engine request as they come, tagged with the prompt index.
+
+        Leaving early (a client disconnect, an error) closes every engine stream, which aborts the
+        requests still running and frees their blocks.
+        """
+        streams = [
+            self.engine.generate(
+                {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
+                prompt_params,
+                f"{request_id}-{index}",
+                priority=priority,
+            )
+            for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
+        ]
+        try:
+            async with contextlib.aclosing(merge_streams(streams)) as merged:
+                async for item in merged:
+                    yield item
+        finally:
+            for stream in streams:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+
+def raise_on_error(output: RequestOutput) -> None:
+    """A request the engine could not run (a prompt larger than the whole KV cache) is a 400."""
+    if output.error:
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, output.error)
+
+
+def usage(prompts: list[EnginePrompt], num_completion_tokens: int) -> UsageInfo:
+    """Every prompt counted once (however many sequences it has), and every returned token."""
+    num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+    )

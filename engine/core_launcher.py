@@ -1,0 +1,89 @@
+"""The parent's side of an engine core process: spawning it, watching it, and making sure it ends.
+
+Each core gets a private temporary directory for its `ipc://` sockets, so any number of engines
+coexist on one host with no port to choose or collide on. The process is spawned (never forked: the
+parent may hold threads and CUDA state) and stopped with SIGTERM, then SIGKILL if it lingers, by
+`shutdown`, by garbage collection, or at interpreter exit, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import shutil
+import signal
+import tempfile
+import weakref
+from multiprocessing.process import BaseProcess
+
+from engine.config import EngineConfig
+from engine.core_proc import run_engine_core
+
+logger = logging.getLogger(__name__)
+
+# Time the core gets to stop its workers after SIGTERM before it is killed.
+_TERMINATE_GRACE_S = 5.0
+
+
+def _stop_process(process: BaseProcess, socket_dir: str) -> None:
+    """SIGTERM, then SIGKILL after a grace period; reap the process and remove its socket directory."""
+    try:
+        if process.is_alive():
+            process.terminate()
+            process.join(_TERMINATE_GRACE_S)
+        if process.is_alive():
+            logger.warning("EngineCore process %d ignored SIGTERM; killing it", process.pid)
+            process.kill()
+            process.join()
+    except ValueError:
+        pass  # never started (or already closed): nothing to stop
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+class CoreProcess:
+    """One spawned EngineCoreProc: its socket addresses, liveness, and stopping it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.socket_dir = tempfile.mkdtemp(prefix="raypage-core-")
+        self.input_address = f"ipc://{self.socket_dir}/input"
+        self.output_address = f"ipc://{self.socket_dir}/output"
+        log_level = logging.getLogger("engine").getEffectiveLevel()
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(config.model_dump_json(), self.input_address, self.output_address, log_level),
+            name="EngineCore",
+        )
+        # Holds no reference to self, so that an unreachable client is collected and its core stopped.
+        self._finalizer = weakref.finalize(self, _stop_process, self.process, self.socket_dir)
+        # Run at exit by our own hook rather than weakref's: registered after multiprocessing's,
+        # it runs before that one, which would otherwise wait forever for the live core to end.
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
+
+    def start(self) -> None:
+        self.process.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def death_message(self) -> str | None:
+        """Why the process is gone, or None while it runs."""
+        code = self.process.exitcode if self.process.pid is not None else None
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exit code {code}"
+        return f"EngineCore process {self.process.pid} died ({how})"
+
+    def shutdown(self) -> None:
+        """Stop the process and remove the socket directory; safe to call twice."""
+        self._finalizer()
+        atexit.unregister(self._finalizer)

@@ -1,0 +1,273 @@
+"""Workers in subprocesses of this host, one per rank.
+
+Each call is pickled once and written to every worker's request pipe (the broadcast); each worker
+answers on its own response pipe, read in rank order. A monitor thread watches the processes'
+sentinels: when a worker dies the executor is marked failed, the other workers are stopped, and
+every pending or later call raises EngineDeadError instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.exceptions import EngineDeadError
+from engine.executor.base import Executor
+from engine.worker.worker_proc import run_worker
+
+logger = logging.getLogger(__name__)
+
+_EXIT_GRACE_S = 5.0  # how long shutdown lets workers leave on their own before terminating them
+_KILL_GRACE_S = 2.0  # how long a terminated worker gets before SIGKILL
+_HEALTH_TIMEOUT_S = 30.0  # a live worker that does not answer check_health within this is hung
+
+
+class MultiprocExecutor(Executor):
+    """Runs tensor_parallel_size x pipeline_parallel_size Workers in spawned subprocesses.
+
+    Spawning re-imports the caller's main module in each worker, so a script that builds an engine
+    must do so under `if __name__ == "__main__":`.
+    """
+
+    def _init_executor(self) -> None:
+        self._call_ids = itertools.count()
+        # One call at a time: a call reads each worker's pipe up to its own answer, so two concurrent
+        # callers would take each other's answers.
+        self._call_lock = threading.Lock()
+        self._workers = _WorkerGroup()
+        # Runs on shutdown(), when the executor is collected, or at interpreter exit, whichever
+        # comes first, so that no worker outlives its engine. At exit it runs from our own hook:
+        # registered after multiprocessing's, it runs before that one, which would otherwise
+        # terminate the workers first and have the monitor report them as dead.
+        self._finalizer = weakref.finalize(self, self._workers.stop)
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
+        try:
+            self._workers.start(self.config)
+            # init_device joins the process group, which needs every rank at once: a broadcast does that.
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers, in rank order."""
+        return [process.pid for process in self._workers.processes]
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        with self._call_lock:
+            failure = self._workers.check()
+            if failure is not None:
+                raise EngineDeadError(f"{failure}; cannot run {method}")
+            call_id = next(self._call_ids)
+            message = pickle.dumps((call_id, method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                for pipe in self._workers.requests:
+                    pipe.send_bytes(message)
+            except OSError:
+                raise self._dead_error(method) from None
+            return [
+                self._receive(rank, call_id, method, deadline) for rank in range(len(self._workers.processes))
+            ]
+
+    def _receive(self, rank: int, call_id: int, method: str, deadline: float | None) -> Any:
+        """Rank `rank`'s answer to call `call_id`; raises when it failed, died or ran out of time."""
+        pipe = self._workers.responses[rank]
+        # Any worker's death wakes this up: the answer would otherwise never come (the monitor stops
+        # the others, and a rank blocked in a collective waits on the dead one).
+        watched = [pipe, *self._workers.sentinels]
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait(watched, remaining)
+            if pipe in ready:
+                try:
+                    answer_id, ok, value = pickle.loads(pipe.recv_bytes())
+                except (EOFError, OSError):
+                    # The worker is exiting (or shutdown closed the pipe): its exit status says why.
+                    multiprocessing.connection.wait([self._workers.processes[rank].sentinel], _KILL_GRACE_S)
+                    raise self._dead_error(method) from None
+                if answer_id != call_id:
+                    continue  # left unread by an earlier call: it timed out, or a lower rank failed
+                if ok:
+                    return value
+                raise RuntimeError(f"worker rank {rank} failed in {method}:\n{value}")
+            if ready:
+                raise self._dead_error(method)
+            raise TimeoutError(f"worker rank {rank} did not answer {method} in time")
+
+    def _dead_error(self, method: str) -> EngineDeadError:
+        return EngineDeadError(f"{self._workers.record_failure()}; {method} did not complete")
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when a worker died, TimeoutError when a live one does not answer."""
+        self.collective_rpc("check_health", timeout=_HEALTH_TIMEOUT_S)
+
+    def shutdown(self) -> None:
+        """Stop the workers (politely, then SIGTERM, then SIGKILL), join them, close the pipes."""
+        self._finalizer()  # a finalizer runs once, however often it is called
+        atexit.unregister(self._finalizer)
+
+
+class _WorkerGroup:
+    """The worker processes, this side's ends of their pipes, and the thread that watches them.
+
+    Kept apart from the executor so that the finalizer and the monitor thread can hold it without
+    keeping the executor alive.
+    """
+
+    def __init__(self) -> None:
+        self.processes: list[BaseProcess] = []
+        self.requests: list[Connection] = []
+        self.responses: list[Connection] = []
+        self.failure: str | None = None
+        self._failure_lock = threading.Lock()
+        self._reap_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    @property
+    def sentinels(self) -> list[int]:
+        return [process.sentinel for process in self.processes]
+
+    def start(self, config: EngineConfig) -> None:
+        world_size = config.parallel.world_size
+        # Spawn, not fork: forking a process whose torch thread pools are running can deadlock the child.
+        context = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        num_threads = max(1, _num_cores() // world_size)
+        for rank in range(world_size):
+            request_reader, request_writer = context.Pipe(duplex=False)
+            response_reader, response_writer = context.Pipe(duplex=False)
+            process = context.Process(
+                target=run_worker,
+                args=(config, rank, rank, init_method, num_threads, request_reader, response_writer),
+                name=f"raypage-worker-{rank}",
+                daemon=True,
+            )
+            process.start()
+            # Keep only this side's ends, so that each side reads EOF once the other closes or dies.
+            request_reader.close()
+            response_writer.close()
+            self.processes.append(process)
+            self.requests.append(request_writer)
+            self.responses.append(response_reader)
+        logger.info(
+            "Started %d worker processes (%d torch threads each), rendezvous at %s",
+            world_size,
+            num_threads,
+            init_method,
+        )
+        self._monitor = threading.Thread(target=self._watch, name="raypage-worker-monitor", daemon=True)
+        self._monitor.start()
+
+    def check(self) -> str | None:
+        """Why the group cannot take calls, or None; notices a death the monitor has not handled yet."""
+        if self.failure is None and multiprocessing.connection.wait(self.sentinels, 0):
+            return self.record_failure()
+        return self.failure
+
+    def record_failure(self) -> str:
+        """Name the worker(s) that died, once: the first description sticks, so that the workers the
+        monitor stops afterwards are not blamed."""
+        with self._failure_lock:
+            if self.failure is None:
+                exited = set(multiprocessing.connection.wait(self.sentinels, 0))
+                deaths = [
+                    _describe_death(rank, process)
+                    for rank, process in enumerate(self.processes)
+                    if process.sentinel in exited
+                ]
+                self.failure = "; ".join(deaths) or "a worker stopped answering"
+            return self.failure
+
+    def _watch(self) -> None:
+        multiprocessing.connection.wait(self.sentinels)
+        if self._stopping.is_set():
+            return
+        logger.error("%s; stopping the other workers", self.record_failure())
+        self._reap(0.0)
+
+    def _reap(self, wait_s: float) -> None:
+        """Give the workers `wait_s` to exit on their own, then terminate, then kill the rest."""
+        with self._reap_lock:
+            _join_all(self.processes, wait_s)
+            for process in self.processes:
+                if process.is_alive():
+                    process.terminate()
+            _join_all(self.processes, _KILL_GRACE_S)
+            for process in self.processes:
+                if process.is_alive():
+                    process.kill()
+            _join_all(self.processes, _KILL_GRACE_S)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._failure_lock:
+            self.failure = self.failure or "the executor was shut down"
+        for pipe in self.requests:
+            pipe.close()  # each worker reads EOF and leaves its loop
+        self._reap(_EXIT_GRACE_S)
+        for pipe in self.responses:
+            pipe.close()
+        if self._monitor is not None:
+            self._monitor.join()
+
+
+def _describe_death(rank: int, process: BaseProcess) -> str:
+    # The sentinel fires when the process closes its files, a moment before its exit status exists.
+    process.join(_KILL_GRACE_S)
+    code = process.exitcode
+    if code is None:
+        how = "exited"
+    elif code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:  # a real-time signal, which has no name
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return f"worker rank {rank} (pid {process.pid}) {how}"
+
+
+def _join_all(processes: list[BaseProcess], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+
+
+def _num_cores() -> int:
+    """Cores this process may run on (its affinity, which containers and taskset narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _free_port() -> int:
+    """A loopback port free right now; the OS picks it, so engines on one host never collide on a
+    fixed one (it could be taken before rank 0 binds it, as with any such probe, but rarely is)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

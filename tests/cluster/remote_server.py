@@ -1,0 +1,96 @@
+"""A real `raypage api-server` subprocess for tests: a free port, its log in a file, stopped by pid."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+REPO_ROOT = Path(__file__).parents[2]
+STARTUP_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RemoteServer:
+    """`raypage api-server ARGS` on 127.0.0.1, ready (GET /health is 200) once constructed.
+
+    Its output goes to `log_path`, not a pipe, which a chatty server would fill and block on.
+    """
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "cluster.cli", "api-server", "--port", str(self.port), *args]
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
+        try:
+            self._wait_until_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the server was not ready in {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def core_pid(self) -> int:
+        """The engine core process: the server's child started by multiprocessing's spawn."""
+        cores = [
+            child.pid
+            for child in psutil.Process(self.process.pid).children()
+            if "spawn_main" in " ".join(child.cmdline())
+        ]
+        assert len(cores) == 1, f"expected one engine core child, found {cores}"
+        return cores[0]
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample of /metrics, e.g. metric("raypage:request_success_total", 'finished_reason="stop"');
+        0 when the labeled series does not exist yet."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        pattern = rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$"
+        for found_labels, value in re.findall(pattern, text, re.MULTILINE):
+            if labels in found_labels:
+                return float(value)
+        return 0.0
+
+    def stop(self) -> None:
+        """SIGTERM (the server shuts its engine down), SIGKILL if it lingers."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

@@ -1,0 +1,274 @@
+"""The official openai client (and raw httpx for malformed requests) against a real
+`raypage api-server` subprocess, once on the packaged SmolLM2 and once on a tiny random Llama."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.remote_server import RemoteServer
+from tests.model.tiny_models import write_tiny_model
+
+MODEL = "served-model"
+API_KEY = "sk-test-key"
+MAX_MODEL_LEN = 256
+SERVER_FLAGS = ["--served-model-name", MODEL, "--api-key", API_KEY, "--disable-access-log"]
+ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--max-num-seqs", "64"]
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module", params=["smollm2", "tiny-llama"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RemoteServer]:
+    folder: Path = tmp_path_factory.mktemp(request.param)
+    model = [] if request.param == "smollm2" else ["--model", str(write_tiny_model(folder / "model"))]
+    server = RemoteServer(
+        [*model, *SERVER_FLAGS, *ENGINE_FLAGS, "--max-model-len", str(MAX_MODEL_LEN)], folder / "server.log"
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def post(server: RemoteServer, path: str, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {API_KEY}", **kwargs.pop("headers", {})}
+    return httpx.post(server.base_url + path, headers=headers, timeout=120, **kwargs)
+
+
+def count_tokens(server: RemoteServer, **body) -> int:
+    return post(server, "/tokenize", json={"model": MODEL, **body}).json()["count"]
+
+
+def test_completion_stream_matches_the_whole(server: RemoteServer, client: openai.OpenAI) -> None:
+    settings = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+    whole = client.completions.create(**settings, logprobs=0)
+    assert whole.id.startswith("cmpl-") and whole.object == "text_completion" and whole.model == MODEL
+    (choice,) = whole.choices
+    assert choice.text and choice.finish_reason in ("stop", "length")
+    assert whole.usage.prompt_tokens == count_tokens(server, prompt=PROMPT)
+    assert whole.usage.completion_tokens == len(choice.logprobs.tokens)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+    chunks = list(client.completions.create(**settings, stream=True, stream_options={"include_usage": True}))
+    deltas = [chunk.choices[0] for chunk in chunks if chunk.choices]
+    assert "".join(delta.text for delta in deltas) == choice.text
+    assert [delta.finish_reason for delta in deltas] == [None] * (len(deltas) - 1) + [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_chat_stream_matches_the_whole(server: RemoteServer, client: openai.OpenAI) -> None:
+    settings = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 8, "temperature": 0.0}
+    whole = client.chat.completions.create(**settings)
+    assert whole.id.startswith("chatcmpl-") and whole.object == "chat.completion"
+    (choice,) = whole.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert whole.usage.prompt_tokens == count_tokens(server, messages=MESSAGES)
+
+    chunks = list(
+        client.chat.completions.create(**settings, stream=True, stream_options={"include_usage": True})
+    )
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    deltas = [chunk.choices[0] for chunk in chunks if chunk.choices]
+    assert deltas[0].delta.role == "assistant"
+    assert "".join(delta.delta.content or "" for delta in deltas) == choice.message.content
+    assert [delta.finish_reason for delta in deltas] == [None] * (len(deltas) - 1) + [choice.finish_reason]
+    assert chunks[-1].usage == whole.usage
+
+
+def test_n2_streams_tag_choices_and_match_seeded_whole(client: openai.OpenAI) -> None:
+    settings = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 7}
+    whole = client.completions.create(**settings)
+    assert [choice.index for choice in whole.choices] == [0, 1]
+    texts: dict[int, str] = {0: "", 1: ""}
+    finishes: dict[int, list] = {0: [], 1: []}
+    for chunk in client.completions.create(**settings, stream=True):
+        (delta,) = chunk.choices
+        texts[delta.index] += delta.text
+        finishes[delta.index].append(delta.finish_reason)
+    # Each seeded sequence draws from its own generator, so the stream repeats the whole response.
+    assert texts == {choice.index: choice.text for choice in whole.choices}
+    for index in (0, 1):
+        assert finishes[index][-1] is not None and finishes[index].count(None) == len(finishes[index]) - 1
+
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, n=2, seed=3)
+    assert [choice.index for choice in chat.choices] == [0, 1]
+    assert chat.usage.completion_tokens <= 6
+
+
+def test_seed_repeats_a_sample(client: openai.OpenAI) -> None:
+    settings = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    assert (
+        client.completions.create(**settings).choices[0].text
+        == client.completions.create(**settings).choices[0].text
+    )
+
+
+def test_stop_string_and_stop_token(server: RemoteServer, client: openai.OpenAI) -> None:
+    settings = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+    whole = client.completions.create(**settings, logprobs=0)
+    text, tokens = whole.choices[0].text, whole.choices[0].logprobs.tokens
+    stop = text.strip()[:2]
+    stopped = client.completions.create(**settings, stop=[stop]).choices[0]
+    assert stopped.text == text[: text.find(stop)]
+    assert (stopped.finish_reason, stopped.model_extra["stop_reason"]) == ("stop", stop)
+
+    # A generated token after the first that is one token again when tokenized on its own.
+    token_id = next(
+        ids
+        for token in tokens[1:]
+        if len(
+            ids := post(server, "/tokenize", json={"prompt": token, "add_special_tokens": False}).json()[
+                "tokens"
+            ]
+        )
+        == 1
+    )
+    by_id = client.completions.create(**settings, extra_body={"stop_token_ids": token_id}).choices[0]
+    assert by_id.finish_reason == "stop" and by_id.model_extra["stop_reason"] == token_id[0]
+    assert text.startswith(by_id.text) and len(by_id.text) < len(text)
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0, logprobs=2
+    )
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == completion.usage.completion_tokens
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert 2 <= len(top) <= 3 and top[token] == logprob == max(top.values())  # greedy: the likeliest
+    assert logprobs.text_offset[0] == 0
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_prompt_forms_and_echo(server: RemoteServer, client: openai.OpenAI) -> None:
+    prompts = [PROMPT, "Once upon a time"]
+    settings = {"model": MODEL, "max_tokens": 4, "temperature": 0.0}
+    batch = client.completions.create(prompt=prompts, echo=True, **settings)
+    assert [choice.index for choice in batch.choices] == [0, 1]
+    for prompt, choice in zip(prompts, batch.choices, strict=True):
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    # Echo with logprobs scores the prompt too; its first token has no logprob.
+    scored = client.completions.create(prompt=PROMPT, echo=True, logprobs=1, **settings).choices[0]
+    num_prompt_tokens = count_tokens(server, prompt=PROMPT)
+    assert len(scored.logprobs.tokens) == num_prompt_tokens + 4
+    assert scored.logprobs.token_logprobs[0] is None and None not in scored.logprobs.token_logprobs[1:]
+    assert "".join(scored.logprobs.tokens) == scored.text
+    ids = post(server, "/tokenize", json={"prompt": prompts[1]}).json()["tokens"]
+    by_ids = client.completions.create(prompt=[ids, ids], **settings)
+    assert by_ids.choices[1].text == batch.choices[1].text[len(prompts[1]) :]
+    assert by_ids.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_sampling_extras_are_accepted(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0.8,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        user="tester",
+        extra_body={
+            "top_k": 20,
+            "min_p": 0.05,
+            "repetition_penalty": 1.2,
+            "min_tokens": 5,
+            "ignore_eos": True,
+        },
+    )
+    assert completion.usage.completion_tokens == 5 and completion.choices[0].finish_reason == "length"
+
+
+def test_models_version_tokenize(server: RemoteServer, client: openai.OpenAI) -> None:
+    (card,) = client.models.list().data
+    assert (
+        card.id == MODEL and card.owned_by == "raypage" and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    )
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(server.base_url + "/version", headers=headers).json()["version"]
+    tokens = post(server, "/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
+    assert post(server, "/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}
+
+
+def long_prompt_message(num_prompt_tokens: int, max_tokens: int) -> str:
+    return (
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+        f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "param"),
+    [
+        ("malformed_json", 400, None),
+        ("oversized_body", 413, None),
+        ("missing_key", 401, None),
+        ("wrong_key", 401, None),
+        ("unknown_model", 404, "model"),
+        ("negative_temperature", 400, "temperature"),
+        ("string_temperature", 400, "temperature"),
+        ("too_many_logprobs", 400, "logprobs"),
+    ],
+)
+def test_error_shapes(server: RemoteServer, case: str, status: int, param: str | None) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    requests = {
+        "malformed_json": {"content": b'{"model": "x", "prompt": '},
+        "oversized_body": {"json": {**body, "prompt": "x" * (2 << 20)}},
+        "missing_key": {"json": body, "headers": {"Authorization": ""}},
+        "wrong_key": {"json": body, "headers": {"Authorization": f"Bearer {API_KEY}x"}},
+        "unknown_model": {"json": {**body, "model": "nope"}},
+        "negative_temperature": {"json": {**body, "temperature": -1}},
+        "string_temperature": {"json": {**body, "temperature": "hot"}},
+        "too_many_logprobs": {"json": {**body, "logprobs": 21}},
+    }
+    response = post(server, "/v1/completions", **requests[case])
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["code"], error["param"]) == (status, param)
+
+
+def test_prompts_over_the_context(server: RemoteServer, client: openai.OpenAI) -> None:
+    prompt = "hello " * MAX_MODEL_LEN
+    num_tokens = count_tokens(server, prompt=prompt)
+    with pytest.raises(openai.BadRequestError) as completion_error:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=10)
+    assert completion_error.value.body["message"] == long_prompt_message(num_tokens, 10)
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    num_tokens = count_tokens(server, messages=messages)
+    with pytest.raises(openai.BadRequestError) as chat_error:
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=MAX_MODEL_LEN)
+    assert chat_error.value.body["message"] == long_prompt_message(num_tokens, MAX_MODEL_LEN)
+
+
+def test_client_errors_and_open_routes(server: RemoteServer) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/metrics").status_code == 200
+    assert httpx.get(server.base_url + "/version").status_code == 401

@@ -1,0 +1,162 @@
+"""A tiny random Llama behind `raypage api-server` under load: concurrent streams, clients that
+leave mid-stream, exact metrics, and the engine core dying. The tests run in file order: the last
+one kills the engine core."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.remote_server import RemoteServer
+from tests.model.tiny_models import write_tiny_model
+
+MODEL = "tiny"
+ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "64"]
+PROMPT = "Once upon a time"
+# The tiny model has no end-of-sequence token: every request generates exactly max_tokens.
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    folder = tmp_path_factory.mktemp("tiny-load")
+    model = write_tiny_model(folder / "model")
+    args = ["--model", str(model), "--served-model-name", MODEL, "--disable-access-log", *ENGINE_FLAGS]
+    server = RemoteServer(args, folder / "server.log")
+    yield server
+    server.stop()
+
+
+def async_client(server: RemoteServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+async def stream_completion(client: openai.AsyncOpenAI, index: int) -> tuple[str, str | None, int]:
+    """(text, finish reason, completion tokens) of one streamed completion."""
+    stream = await client.completions.create(
+        model=MODEL,
+        prompt=f"{PROMPT} {index}",
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish_reason, num_tokens = "", None, -1
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish_reason = chunk.choices[0].finish_reason or finish_reason
+        if chunk.usage:
+            num_tokens = chunk.usage.completion_tokens
+    return text, finish_reason, num_tokens
+
+
+def wait_until_idle(server: RemoteServer, timeout_s: float = 10.0) -> None:
+    """Until nothing runs or waits and no KV block is in use; fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    names = ("raypage:num_requests_running", "raypage:num_requests_waiting", "raypage:kv_cache_usage_perc")
+    while True:
+        values = {name: server.metric(name) for name in names}
+        if not any(values.values()):
+            return
+        assert time.monotonic() < deadline, f"still busy after {timeout_s} s: {values}"
+        time.sleep(0.2)
+
+
+def test_64_concurrent_streams_complete(server: RemoteServer) -> None:
+    async def run() -> list:
+        client = async_client(server)
+        return await asyncio.gather(*(stream_completion(client, index) for index in range(64)))
+
+    results = asyncio.run(run())
+    assert all(
+        finish == "length" and num_tokens == MAX_TOKENS and text for text, finish, num_tokens in results
+    )
+    wait_until_idle(server)
+
+
+def test_clients_leaving_mid_stream_free_their_requests(server: RemoteServer) -> None:
+    async def leave_after_first_chunk(client: openai.AsyncOpenAI) -> None:
+        stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, stream=True)
+        async for _ in stream:
+            break
+        await stream.close()  # drops the connection
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as raw:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400}
+            # Clients waiting for whole responses, cancelled (their connections dropped) mid-way.
+            waiting = [asyncio.create_task(raw.post("/v1/completions", json=body)) for _ in range(4)]
+            client = async_client(server)
+            await asyncio.gather(*(leave_after_first_chunk(client) for _ in range(50)))
+            for task in waiting:
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+
+    aborted_before = server.metric("raypage:request_success_total", 'finished_reason="abort"')
+    asyncio.run(run())
+    wait_until_idle(server, timeout_s=5.0)
+    assert server.metric("raypage:request_success_total", 'finished_reason="abort"') - aborted_before == 54
+
+
+def test_metrics_count_what_was_sent(server: RemoteServer) -> None:
+    prompt_lengths = [5, 7, 9]
+    names = [
+        "raypage:prompt_tokens_total",
+        "raypage:generation_tokens_total",
+        "raypage:time_to_first_token_seconds_count",
+        "raypage:inter_token_latency_seconds_count",
+        "raypage:e2e_request_latency_seconds_count",
+        "raypage:request_queue_time_seconds_count",
+        "raypage:request_prompt_tokens_sum",
+    ]
+    before = {name: server.metric(name) for name in names}
+    length_before = server.metric("raypage:request_success_total", 'finished_reason="length"')
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    for length in prompt_lengths:
+        prompt = list(range(100, 100 + length))
+        completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS)
+        assert completion.usage.prompt_tokens == length and completion.usage.completion_tokens == MAX_TOKENS
+
+    k = len(prompt_lengths)
+    expected = {
+        "raypage:prompt_tokens_total": sum(prompt_lengths),
+        "raypage:generation_tokens_total": k * MAX_TOKENS,
+        "raypage:time_to_first_token_seconds_count": k,
+        "raypage:inter_token_latency_seconds_count": k * (MAX_TOKENS - 1),
+        "raypage:e2e_request_latency_seconds_count": k,
+        "raypage:request_queue_time_seconds_count": k,
+        "raypage:request_prompt_tokens_sum": sum(prompt_lengths),
+    }
+    assert {name: server.metric(name) - before[name] for name in names} == expected
+    assert server.metric("raypage:request_success_total", 'finished_reason="length"') - length_before == k
+
+
+def test_dead_engine_core_fails_requests_fast(server: RemoteServer) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            pending = asyncio.create_task(client.post("/v1/completions", json=body))
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+                lines = stream.aiter_lines()
+                assert (await anext(lines)).startswith("data: {")  # generating now
+                killed = time.monotonic()
+                os.kill(server.core_pid(), signal.SIGKILL)
+                rest = [line async for line in lines if line]
+            response = await pending
+            assert time.monotonic() - killed < 5.0
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == 503
+            assert '"code":503' in rest[-2] and rest[-1] == "data: [DONE]"
+            assert (await client.post("/v1/completions", json=body)).status_code == 503
+            assert (await client.get("/health")).status_code == 503
+
+    asyncio.run(run())

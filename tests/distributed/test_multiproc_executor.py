@@ -1,0 +1,150 @@
+"""MultiprocExecutor: worker subprocesses match the in-process worker, answer collective calls in
+rank order, report a worker's exception with its rank, and turn a dead worker into EngineDeadError."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.core import EngineCore
+from engine.exceptions import EngineDeadError
+from engine.executor.base import Executor
+from engine.executor.multiproc import MultiprocExecutor
+from engine.executor.uniproc import UniProcExecutor
+from engine.models.model_files import resolve_engine_config
+from engine.outputs import EngineCoreRequest
+from tests.model.tiny_models import write_tiny_model
+
+SETTINGS = {"dtype": "float32", "num_kv_blocks": 64}
+PROMPTS = ["The capital of France is", "Hello, my name is", "1, 2, 3, 4,"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+DEATH_NOTICE_S = 10.0  # how long a killed worker may take to fail the in-flight step
+
+
+def _config(model: Path | None = None, **settings: object) -> EngineConfig:
+    return resolve_engine_config(
+        EngineConfig.from_flat(model=None if model is None else str(model), **SETTINGS, **settings)
+    )
+
+
+def _gone(pid: int) -> bool:
+    """Whether no process has this id (a dead worker that was not reaped would still have one)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 4 heads, 2 KV heads: splits evenly over two tensor-parallel ranks.
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tp2_executor(tiny_model: Path):
+    executor = MultiprocExecutor(_config(tiny_model, tensor_parallel_size=2))
+    executor.initialize_kv_cache()
+    yield executor
+    executor.shutdown()
+
+
+def test_backend_choice():
+    assert Executor.get_class(EngineConfig.from_flat()) is UniProcExecutor
+    assert Executor.get_class(EngineConfig.from_flat(distributed_executor_backend="mp")) is MultiprocExecutor
+    assert Executor.get_class(EngineConfig.from_flat(tensor_parallel_size=2)) is MultiprocExecutor
+
+
+def test_mp_greedy_outputs_equal_uni():
+    uni = LLM(**SETTINGS, distributed_executor_backend="uni")
+    expected = [out.outputs[0].token_ids for out in uni.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    mp = LLM(**SETTINGS, distributed_executor_backend="mp")
+    try:
+        got = [out.outputs[0].token_ids for out in mp.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        mp.llm_engine.shutdown()
+    assert got == expected
+    assert all(len(ids) == GREEDY.max_tokens for ids in got)
+
+
+def test_collective_rpc_gathers_results_in_rank_order(tp2_executor: MultiprocExecutor):
+    infos = tp2_executor.collective_rpc("process_info")
+    assert [info["rank"] for info in infos] == [0, 1]
+    assert [info["pid"] for info in infos] == tp2_executor.worker_pids
+    assert os.getpid() not in tp2_executor.worker_pids
+    # The host's cores are split between the two workers.
+    assert infos[0]["num_threads"] == infos[1]["num_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+    # Each tensor-parallel rank holds one of the model's two KV heads: (K/V, heads, blocks, ...).
+    shapes = tp2_executor.collective_rpc("kv_cache_shapes")
+    assert len(shapes) == 2
+    assert all(shape[1] == 1 for rank_shapes in shapes for shape in rank_shapes.values())
+
+
+def test_worker_exception_names_rank_and_method(tp2_executor: MultiprocExecutor):
+    with pytest.raises(RuntimeError, match="worker rank 0 failed in no_such_method") as error:
+        tp2_executor.collective_rpc("no_such_method", (1,), {"key": 2})
+    assert "AttributeError" in str(error.value)  # the worker's traceback text comes along
+    assert not isinstance(error.value, EngineDeadError)
+    # Rank 1's unread answer to the failed call is skipped: the next call gets its own answers.
+    assert [info["rank"] for info in tp2_executor.collective_rpc("process_info")] == [0, 1]
+    tp2_executor.check_health()
+
+
+def test_killed_worker_fails_the_in_flight_step(tiny_model: Path):
+    core = EngineCore(_config(tiny_model, tensor_parallel_size=2), MultiprocExecutor)
+    executor = core.executor
+    pids = executor.worker_pids
+    params = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+    for index in range(4):
+        core.add_request(EngineCoreRequest(f"r{index}", [1, 2, 3, 4 + index], params, None, time.time()))
+    stepping, errors = threading.Event(), []
+
+    def generate() -> None:
+        try:
+            while core.has_unfinished_requests():
+                core.step()
+                stepping.set()
+        except Exception as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    try:
+        assert stepping.wait(60), "generation did not start"
+        # Rank 0 is then left waiting in an all-reduce for rank 1, which never comes.
+        os.kill(pids[1], signal.SIGKILL)
+        thread.join(DEATH_NOTICE_S)
+        assert not thread.is_alive(), "the in-flight step did not notice the dead worker"
+        assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
+        assert f"worker rank 1 (pid {pids[1]}) was killed by SIGKILL" in str(errors[0])
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            executor.check_health()
+        with pytest.raises(EngineDeadError):
+            executor.collective_rpc("process_info")
+        # The monitor stops the surviving worker without waiting for shutdown.
+        deadline = time.monotonic() + DEATH_NOTICE_S
+        while not _gone(pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(pids[0])
+    finally:
+        core.shutdown()
+    core.shutdown()  # harmless the second time
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_shutdown_stops_every_worker_and_is_idempotent(tiny_model: Path):
+    executor = MultiprocExecutor(_config(tiny_model))
+    pid = executor.worker_pids[0]
+    assert not _gone(pid)
+    executor.shutdown()
+    assert _gone(pid)
+    executor.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        executor.collective_rpc("process_info")
