@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cluster.bench import throughput
+from cluster.bench import serve, throughput
 from cluster.engine_args import add_engine_args, engine_settings_from_args
 from cluster.openai import api_server
 from engine import LLM, SamplingParams
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks with JSON results.")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     throughput.add_parser(benchmarks)
+    serve.add_parser(benchmarks)
     return parser
 
 

@@ -123,6 +123,11 @@ class ParallelConfig(_Section):
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def executor_backend(self) -> ExecutorBackend:
+        """The backend in effect: the one asked for, else uni for one worker and mp for several."""
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
+
 
 _SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,

@@ -45,12 +45,6 @@ def build_front_end(config: EngineConfig) -> tuple[EngineConfig, PreTrainedToken
     return config, tokenizer, input_processor
 
 
-def runs_in_process(config: EngineConfig) -> bool:
-    """Whether the executor keeps its single worker in the calling process (the `uni` backend)."""
-    parallel = config.parallel
-    return (parallel.distributed_executor_backend or ("uni" if parallel.world_size == 1 else "mp")) == "uni"
-
-
 class LLMEngine:
     """Adds requests, steps the engine, and returns what each step produced.
 
@@ -65,7 +59,7 @@ class LLMEngine:
         self.config, self.tokenizer, self.input_processor = build_front_end(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         if multiprocess_mode is None:
-            multiprocess_mode = not runs_in_process(self.config)
+            multiprocess_mode = self.config.parallel.executor_backend != "uni"
         self.engine_core: EngineCoreClient = EngineCoreClient.make_client(self.config, multiprocess_mode)
 
     @classmethod

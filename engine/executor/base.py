@@ -19,7 +19,7 @@ class Executor(abc.ABC):
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
         parallel = config.parallel
-        backend = parallel.distributed_executor_backend or ("uni" if parallel.world_size == 1 else "mp")
+        backend = parallel.executor_backend
         if backend == "uni":
             if parallel.world_size > 1:
                 raise ValueError(

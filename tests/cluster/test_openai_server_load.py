@@ -5,8 +5,11 @@ one kills the engine core."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -137,6 +140,32 @@ def test_metrics_count_what_was_sent(server: RemoteServer) -> None:
     }
     assert {name: server.metric(name) - before[name] for name in names} == expected
     assert server.metric("raypage:request_success_total", 'finished_reason="length"') - length_before == k
+
+
+def test_bench_serve_measures_every_request(server: RemoteServer, tmp_path) -> None:
+    result_path, plot_path = tmp_path / "serve.json", tmp_path / "serve.png"
+    workload = ["--request-rate", "8", "inf", "--num-prompts", "6", "--input-len", "10", "--output-len", "5"]
+    completed = subprocess.run(
+        [
+            *(sys.executable, "-m", "cluster.cli", "bench", "serve", "--base-url", server.base_url),
+            *workload,
+            *("--output-json", str(result_path), "--plot", str(plot_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    runs = json.loads(result_path.read_text())["runs"]
+    assert [run["request_rate"] for run in runs] == [8.0, "inf"]
+    for run in runs:
+        assert (run["completed"], run["failed"]) == (6, 0)
+        assert run["output_throughput"] == pytest.approx(6 * 5 / run["duration_s"])
+        for metric in ("ttft", "tpot", "itl", "e2e_latency"):
+            assert 0 < run[metric]["median_ms"] <= run[metric]["p99_ms"]
+        assert run["ttft"]["median_ms"] < run["e2e_latency"]["median_ms"]
+    assert plot_path.stat().st_size > 1000  # a PNG, drawn for more than one rate
+    wait_until_idle(server)
 
 
 def test_dead_engine_core_fails_requests_fast(server: RemoteServer) -> None:
