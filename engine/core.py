@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import collections
 import logging
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor
-from engine.outputs import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerStats
+from engine.outputs import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 
@@ -34,6 +43,11 @@ class EngineCore:
             num_blocks * block_size / max_model_len,
         )
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len, num_cpu_blocks)
+        # Steps sent to the workers and not yet turned into outputs, oldest first.
+        self.batch_queue: collections.deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = (
+            collections.deque()
+        )
+        self.max_batches_in_flight = config.parallel.pipeline_parallel_size
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request))
@@ -46,20 +60,30 @@ class EngineCore:
         self.scheduler.stop_sequence(request_id, index, stop_reason)
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run the model, and turn sampled tokens into per-request outputs."""
-        if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
-        scheduler_output = self.scheduler.schedule()
-        # Even a step that runs no tokens may carry swaps and dropped sequences the workers must apply.
-        if (
-            scheduler_output.total_num_scheduled_tokens
-            or scheduler_output.has_block_moves
-            or scheduler_output.finished_seq_ids
-        ):
-            runner_output = self.executor.execute_model(scheduler_output)
-        else:
-            runner_output = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        """Schedule, run the model, and turn sampled tokens into per-request outputs.
+
+        With pipeline stages, up to pipeline_parallel_size steps are in flight at once (the batch
+        queue), so that every stage has work: a call then returns the outputs of the oldest step
+        once it is done, or none while it only filled the pipeline.
+        """
+        outputs: list = []
+        if len(self.batch_queue) < self.max_batches_in_flight and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if _has_work(scheduler_output):
+                self.batch_queue.append(
+                    (scheduler_output, self.executor.execute_model_async(scheduler_output))
+                )
+                if len(self.batch_queue) < self.max_batches_in_flight:
+                    return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+            else:  # everything schedulable is in flight; still report requests finished while scheduling
+                empty = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
+                outputs = self.scheduler.update_from_output(scheduler_output, empty).outputs
+        if not self.batch_queue:
+            return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats())
+        scheduler_output, wait_for_output = self.batch_queue.popleft()
+        result = self.scheduler.update_from_output(scheduler_output, wait_for_output())
+        result.outputs = outputs + result.outputs
+        return result
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -67,9 +91,22 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
+        """Call a Worker method on every rank (diagnostics: KV cache shapes, forward timings)."""
+        return self.executor.collective_rpc(method, tuple(args))
+
     def check_health(self) -> None:
         """Raises if a worker is gone."""
         self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _has_work(scheduler_output: SchedulerOutput) -> bool:
+    """Even a step that runs no tokens may carry swaps and dropped sequences the workers must apply."""
+    return bool(
+        scheduler_output.total_num_scheduled_tokens
+        or scheduler_output.has_block_moves
+        or scheduler_output.finished_seq_ids
+    )

@@ -83,6 +83,10 @@ class EngineCoreClient(abc.ABC):
         """The scheduler's counters now, after every message sent before this call."""
 
     @abc.abstractmethod
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """A Worker method's results on every rank, in rank order."""
+
+    @abc.abstractmethod
     def shutdown(self) -> None: ...
 
 
@@ -106,6 +110,9 @@ class InprocClient(EngineCoreClient):
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self.engine_core.collective_rpc(method, args)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -240,6 +247,9 @@ class SyncMPClient(MPClient, EngineCoreClient):
 
     def get_stats(self) -> SchedulerStats:
         return self.call_utility("get_stats", result_type=SchedulerStats)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self.call_utility("collective_rpc", method, list(args))
 
     def call_utility(self, method: str, *args: Any, result_type: type[T] = Any) -> T:
         call_id = self._send_utility(method, args)

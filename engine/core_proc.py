@@ -41,8 +41,9 @@ from engine.outputs import (
 
 logger = logging.getLogger(__name__)
 
-# The EngineCore methods a client may call by name (UtilityRequest): read-only, no arbitrary calls.
-UTILITY_METHODS = frozenset({"get_stats", "check_health"})
+# The EngineCore methods a client may call by name (UtilityRequest), nothing else. collective_rpc
+# reaches Worker methods; the client is this engine's own front end, over a private ipc:// socket.
+UTILITY_METHODS = frozenset({"get_stats", "check_health", "collective_rpc"})
 # How often an idle core checks that its parent is still alive (a busy one checks every step).
 _PARENT_CHECK_S = 1.0
 # How long the last outputs (a FAILURE message above all) may take to reach the client at exit.

@@ -112,6 +112,10 @@ class LLM:
             results.append(BeamSearchOutput(sequences=sequences))
         return results
 
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """Call a Worker method on every rank; their results in rank order."""
+        return self.llm_engine.collective_rpc(method, args)
+
     def get_stats(self) -> dict[str, Any]:
         """Running and waiting requests, KV cache usage and size, preemptions, prefix-cache counters."""
         return self.llm_engine.get_stats()

@@ -120,5 +120,9 @@ class LLMEngine:
     def get_stats(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self.engine_core.get_stats())
 
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """A Worker method's results on every rank, in rank order (vLLM's LLM.collective_rpc)."""
+        return self.engine_core.collective_rpc(method, args)
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from parallel.comm import timed
 from parallel.state import get_parallel_state
 
 
@@ -55,8 +56,9 @@ class IntermediateTensors:
 def send_to_next_stage(tensors: IntermediateTensors) -> None:
     state = get_parallel_state()
     destination = (state.pp_rank + 1) * state.tp_size + state.tp_rank
-    for tensor in (tensors.hidden_states, tensors.residual):
-        dist.send(tensor.contiguous(), dst=destination)
+    with timed("send"):
+        for tensor in (tensors.hidden_states, tensors.residual):
+            dist.send(tensor.contiguous(), dst=destination)
 
 
 def receive_from_previous_stage(
@@ -64,9 +66,8 @@ def receive_from_previous_stage(
 ) -> IntermediateTensors:
     state = get_parallel_state()
     source = (state.pp_rank - 1) * state.tp_size + state.tp_rank
-    received = []
-    for _ in range(2):
-        tensor = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
-        dist.recv(tensor, src=source)
-        received.append(tensor)
+    received = [torch.empty(num_tokens, hidden_size, dtype=dtype, device=device) for _ in range(2)]
+    with timed("recv"):
+        for tensor in received:
+            dist.recv(tensor, src=source)
     return IntermediateTensors(*received)

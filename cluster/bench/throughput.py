@@ -99,9 +99,11 @@ def measure(
 ) -> dict[str, Any]:
     """After an untimed warm-up, run the workload: throughput, KV-cache utilization and sharing, time."""
     _run_to_completion(engine, [(prompt, WARMUP_TOKENS) for prompt in WARMUP_PROMPTS], "warmup", params)
+    engine.collective_rpc("communication_stats")  # count from here on
     start = time.perf_counter()
     output_tokens, kv = _run_to_completion(engine, workload, "bench", params)
     elapsed = time.perf_counter() - start
+    communication = communication_shares(engine.collective_rpc("communication_stats"), elapsed)
     sequences = params(1)
     per_prompt = sequences.beam_width if isinstance(sequences, BeamSearchParams) else sequences.n
     expected = per_prompt * sum(length for _, length in workload)
@@ -117,7 +119,18 @@ def measure(
         "kv_memory_saved_by_sharing": kv.saved_by_sharing,
         "elapsed_s": elapsed,
         "num_preemptions": engine.get_stats()["num_preemptions"],
+        "communication": communication,
     }
+
+
+def communication_shares(per_rank: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+    """Per rank, the share of the run spent in each collective (all-reduce, all-gather, pipeline
+    send and receive; a receive includes waiting for the previous stage) and in all of them."""
+    ranks = []
+    for times in per_rank:
+        shares = {operation: seconds / elapsed for operation, (seconds, _) in times.items()}
+        ranks.append({"total": sum(shares.values()), **shares})
+    return {"per_rank": ranks, "max_total": max((r["total"] for r in ranks), default=0.0)}
 
 
 class KVUsage:
@@ -228,6 +241,10 @@ def print_summary(results: dict[str, Any]) -> None:
     )
     print(f"KV-cache utilization (tokens held / slots allocated): peak {peak:.1%}, mean {mean:.1%}")
     print(f"KV memory saved by block sharing: {results['kv_memory_saved_by_sharing']:.1%}")
+    for rank, shares in enumerate(results["communication"]["per_rank"]):
+        if shares["total"]:
+            detail = ", ".join(f"{op} {share:.1%}" for op, share in shares.items() if op != "total")
+            print(f"Rank {rank} communicating: {shares['total']:.1%} of the run ({detail})")
     print(f"Elapsed: {results['elapsed_s']:.2f} s ({results['num_preemptions']} preemptions)")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
@@ -62,6 +63,12 @@ class Executor(abc.ABC):
         num_blocks, num_cpu_blocks = min(size[0] for size in sizes), min(size[1] for size in sizes)
         self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))
         return num_blocks, num_cpu_blocks
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Start a step; the returned callable waits for its output. Executors whose workers run
+        elsewhere return at once, so that pipeline stages overlap; this default runs the step now."""
+        output = self.execute_model(scheduler_output)
+        return lambda: output
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         outputs = self.collective_rpc("execute_model", (scheduler_output,))

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.exceptions import EngineDeadError
 from engine.executor.base import Executor
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker_proc import run_worker
 
 logger = logging.getLogger(__name__)
@@ -45,9 +47,10 @@ class MultiprocExecutor(Executor):
 
     def _init_executor(self) -> None:
         self._call_ids = itertools.count()
-        # One call at a time: a call reads each worker's pipe up to its own answer, so two concurrent
-        # callers would take each other's answers.
+        # One sender or reader at a time: a reader takes answers off the pipes for other calls too.
         self._call_lock = threading.Lock()
+        self._early_answers: dict[tuple[int, int], tuple[bool, Any]] = {}
+        self._abandoned: set[int] = set()
         self._workers = _WorkerGroup()
         # Runs on shutdown(), when the executor is collected, or at interpreter exit, whichever
         # comes first, so that no worker outlives its engine. At exit it runs from our own hook:
@@ -77,29 +80,55 @@ class MultiprocExecutor(Executor):
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._gather(self._broadcast(method, args, kwargs), method, deadline)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Send a step to every worker now; the returned callable waits for its output. Steps must be
+        waited for in the order they were sent (the engine's batch queue does), so that pipeline
+        stages work on consecutive steps at once."""
+        call_id = self._broadcast("execute_model", (scheduler_output,), None)
+        return lambda: next(
+            output for output in self._gather(call_id, "execute_model", None) if output is not None
+        )
+
+    def _broadcast(self, method: str, args: tuple, kwargs: dict[str, Any] | None) -> int:
         with self._call_lock:
             failure = self._workers.check()
             if failure is not None:
                 raise EngineDeadError(f"{failure}; cannot run {method}")
             call_id = next(self._call_ids)
             message = pickle.dumps((call_id, method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
-            deadline = None if timeout is None else time.monotonic() + timeout
             try:
                 for pipe in self._workers.requests:
                     pipe.send_bytes(message)
             except OSError:
                 raise self._dead_error(method) from None
-            return [
-                self._receive(rank, call_id, method, deadline) for rank in range(len(self._workers.processes))
-            ]
+            return call_id
+
+    def _gather(self, call_id: int, method: str, deadline: float | None) -> list[Any]:
+        """Every rank's answer to `call_id`, in rank order."""
+        with self._call_lock:
+            try:
+                return [
+                    self._receive(rank, call_id, method, deadline)
+                    for rank in range(len(self._workers.processes))
+                ]
+            except BaseException:
+                self._abandoned.add(call_id)  # its remaining answers are dropped when they arrive
+                raise
 
     def _receive(self, rank: int, call_id: int, method: str, deadline: float | None) -> Any:
-        """Rank `rank`'s answer to call `call_id`; raises when it failed, died or ran out of time."""
+        """Rank `rank`'s answer to call `call_id`; raises when it failed, died or ran out of time.
+
+        Answers to other calls read on the way are kept for their own gather (steps in flight), or
+        dropped if their call was abandoned (it timed out, or a lower rank failed).
+        """
         pipe = self._workers.responses[rank]
         # Any worker's death wakes this up: the answer would otherwise never come (the monitor stops
         # the others, and a rank blocked in a collective waits on the dead one).
         watched = [pipe, *self._workers.sentinels]
-        while True:
+        while (rank, call_id) not in self._early_answers:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = multiprocessing.connection.wait(watched, remaining)
             if pipe in ready:
@@ -109,14 +138,16 @@ class MultiprocExecutor(Executor):
                     # The worker is exiting (or shutdown closed the pipe): its exit status says why.
                     multiprocessing.connection.wait([self._workers.processes[rank].sentinel], _KILL_GRACE_S)
                     raise self._dead_error(method) from None
-                if answer_id != call_id:
-                    continue  # left unread by an earlier call: it timed out, or a lower rank failed
-                if ok:
-                    return value
-                raise RuntimeError(f"worker rank {rank} failed in {method}:\n{value}")
-            if ready:
+                if answer_id not in self._abandoned:
+                    self._early_answers[(rank, answer_id)] = (ok, value)
+            elif ready:
                 raise self._dead_error(method)
-            raise TimeoutError(f"worker rank {rank} did not answer {method} in time")
+            else:
+                raise TimeoutError(f"worker rank {rank} did not answer {method} in time")
+        ok, value = self._early_answers.pop((rank, call_id))
+        if ok:
+            return value
+        raise RuntimeError(f"worker rank {rank} failed in {method}:\n{value}")
 
     def _dead_error(self, method: str) -> EngineDeadError:
         return EngineDeadError(f"{self._workers.record_failure()}; {method} did not complete")

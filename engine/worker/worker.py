@@ -17,6 +17,7 @@ from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cache_engine import CacheEngine
 from engine.worker.memory import DEFAULT_CPU_KV_CACHE_BYTES, GiB, profile_cuda_memory, profile_host_memory
 from engine.worker.model_runner import ModelRunner
+from parallel.comm import take_comm_times
 from parallel.state import get_parallel_state, init_model_parallel
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,10 @@ class Worker:
             self.cache_engine.move_blocks(scheduler_output)
         output = self.model_runner.execute_model(scheduler_output)
         return output if get_parallel_state().is_driver else None
+
+    def communication_stats(self) -> dict[str, tuple[float, int]]:
+        """(seconds, calls) this worker spent in each collective since the last call."""
+        return take_comm_times()
 
     def forward_times(self) -> list[tuple[float, float]]:
         """(start, end) perf_counter times of this worker's recent forward passes."""

@@ -1,0 +1,174 @@
+"""Tensor and pipeline parallelism on the multiprocess executor, against the single worker.
+
+Pipeline stages run exactly the same arithmetic, so their greedy outputs must be token-identical.
+Tensor-parallel ranks sum partial products in a different order, so a near-tie may flip a token:
+there the rule is vLLM's check_logprobs_close — identical up to the first difference, top-5
+log-probabilities within 1e-3 until then, and each side's token at the difference among the other
+side's top 5.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.exceptions import EngineDeadError
+from tests.model.tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.slow  # every engine here starts worker processes
+
+PROMPTS = [[5, 17, 300, 42], [1000, 2000, 3000], list(range(100, 160)), [7], list(range(900, 941))]
+TINY = {
+    "dtype": "float32",
+    "num_kv_blocks": 96,
+    "block_size": 8,
+    "max_num_batched_tokens": 32,
+    "max_num_seqs": 8,
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+LAYOUTS = {
+    "tp2": {"tensor_parallel_size": 2},
+    "pp2": {"pipeline_parallel_size": 2},
+    "tp2pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+}
+
+
+def generate(llm: LLM, prompts=PROMPTS, params=GREEDY):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def assert_logprobs_close(reference, tested, exact: bool) -> None:
+    for ref, test in zip(reference, tested, strict=True):
+        ref_out, test_out = ref.outputs[0], test.outputs[0]
+        if exact:
+            assert test_out.token_ids == ref_out.token_ids
+        for position, (ref_token, test_token) in enumerate(
+            zip(ref_out.token_ids, test_out.token_ids, strict=True)
+        ):
+            ref_top, test_top = ref_out.logprobs[position], test_out.logprobs[position]
+            if ref_token != test_token:  # a near tie flipped: each choice is in the other's top 5
+                assert ref_token in test_top and test_token in ref_top, (position, ref_top, test_top)
+                break
+            for token in set(ref_top) & set(test_top):
+                assert abs(ref_top[token].logprob - test_top[token].logprob) < 1e-3, (position, token)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def tiny_model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-parallel")
+    return write_tiny_model(folder / "model", num_heads=4, num_kv_heads=2, tie_word_embeddings=request.param)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_model):
+    return generate(LLM(str(tiny_model), **TINY))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_tiny_model_layouts_match_one_worker(tiny_model, tiny_reference, layout):
+    llm = LLM(str(tiny_model), distributed_executor_backend="mp", **TINY, **LAYOUTS[layout])
+    try:
+        assert_logprobs_close(tiny_reference, generate(llm), exact=layout == "pp2")
+        check_kv_cache_shards(llm, **LAYOUTS[layout])
+        if layout == "pp2":
+            check_stages_overlap(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def check_kv_cache_shards(llm: LLM, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
+    """Each worker holds only its KV heads (2 / TP) and, under PP, only its stage's layers (2 / PP)."""
+    shapes = llm.collective_rpc("kv_cache_shapes")
+    assert len(shapes) == tensor_parallel_size * pipeline_parallel_size
+    for rank, layers in enumerate(shapes):
+        stage = rank // tensor_parallel_size
+        per_stage = 2 // pipeline_parallel_size
+        assert sorted(int(layer) for layer in layers) == list(
+            range(stage * per_stage, (stage + 1) * per_stage)
+        )
+        for shape in layers.values():
+            assert shape[1] == 2 // tensor_parallel_size  # [2, kv_heads, blocks, block_size, head_dim]
+
+
+def check_stages_overlap(llm: LLM) -> None:
+    """With two batches in flight, stage 0 computes one while stage 1 computes the other."""
+    llm.collective_rpc("forward_times")  # forget the earlier runs
+    prompts = [list(range(200 + 40 * i, 230 + 40 * i)) for i in range(8)]  # 30 tokens each, budget 32
+    generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    first, second = llm.collective_rpc("forward_times")
+    overlaps = sum(1 for a0, a1 in first for b0, b1 in second if a0 < b1 and b0 < a1)
+    assert overlaps > 0, "the stages never ran at the same time"
+
+
+@pytest.mark.parametrize(
+    "layout", [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}], ids=["tp3", "pp2"]
+)
+def test_smollm2_layouts_match_one_worker(layout):
+    settings = {"dtype": "float32", "num_kv_blocks": 96, "max_num_seqs": 8}
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was"]
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=5)
+    reference = LLM(**settings).generate(prompts, params, use_tqdm=False)
+    llm = LLM(distributed_executor_backend="mp", **settings, **layout)
+    try:
+        assert_logprobs_close(
+            reference, llm.generate(prompts, params, use_tqdm=False), exact="pipeline_parallel_size" in layout
+        )
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_layout_errors_say_what_would_work():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1, 3 or 9, got 2"):
+        LLM(tensor_parallel_size=2, num_kv_blocks=16)
+    with pytest.raises(
+        ValueError, match=r"pipeline_partition \[10, 10\] must .* sum to the model's 30 layers"
+    ):
+        LLM(pipeline_parallel_size=2, pipeline_partition=[10, 10], num_kv_blocks=16)
+    with pytest.raises(
+        ValueError, match=r"pipeline_partition has 3 entries, but pipeline_parallel_size is 2"
+    ):
+        LLM(pipeline_parallel_size=2, pipeline_partition=[10, 10, 10], num_kv_blocks=16)
+    with pytest.raises(ValueError, match="workers, but this machine has"):
+        LLM(tensor_parallel_size=9, pipeline_parallel_size=30, num_kv_blocks=16)
+
+
+def test_killed_tensor_parallel_worker_fails_generation(tiny_model):
+    llm = LLM(str(tiny_model), distributed_executor_backend="mp", tensor_parallel_size=2, **TINY)
+    pids = [info["pid"] for info in llm.collective_rpc("process_info")]
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            generate(llm, PROMPTS * 8, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(2.0)
+    os.kill(pids[1], signal.SIGKILL)
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "generation hung after a worker died"
+    assert failure and isinstance(failure[0], EngineDeadError), failure
+    llm.llm_engine.shutdown()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids), "a worker process outlived its engine"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers signal 0: it is dead once its state says so
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
