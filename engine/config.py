@@ -118,6 +118,20 @@ class ParallelConfig(_Section):
     pipeline_partition: list[int] | None = Field(
         None, description="Layers per pipeline stage, first to last; None splits them evenly"
     )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster the ray executor joins ('auto', or host:port); None joins a running "
+        "one, or starts a local one when none runs",
+    )
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = Field(
+        "PACK", description="How the ray executor's placement group spreads worker bundles over nodes"
+    )
+    placement_bundle: dict[str, float] | None = Field(
+        None, description="Resources of one worker's bundle; None: {GPU: 1} on CUDA, {CPU: 1} on the CPU"
+    )
+    placement_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds to wait for the cluster to grant the placement group"
+    )
 
     @property
     def world_size(self) -> int:
