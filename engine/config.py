@@ -132,6 +132,11 @@ class ParallelConfig(_Section):
     placement_timeout_s: float = Field(
         60.0, gt=0, description="Seconds to wait for the cluster to grant the placement group"
     )
+    placement_group_id: str | None = Field(
+        None,
+        description="Hex id of an existing placement group whose bundle i hosts worker rank i; None: the "
+        "one the caller runs in (a Serve replica's), else a new one",
+    )
 
     @property
     def world_size(self) -> int:

@@ -19,6 +19,7 @@ from multiprocessing.process import BaseProcess
 
 from engine.config import EngineConfig
 from engine.core_proc import run_engine_core
+from engine.executor.base import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class CoreProcess:
     """One spawned EngineCoreProc: its socket addresses, liveness, and stopping it."""
 
     def __init__(self, config: EngineConfig) -> None:
+        config = Executor.get_class(config).inherit_caller_context(config)
         self.socket_dir = tempfile.mkdtemp(prefix="raypage-core-")
         self.input_address = f"ipc://{self.socket_dir}/input"
         self.output_address = f"ipc://{self.socket_dir}/output"

@@ -34,9 +34,15 @@ class Executor(abc.ABC):
             from engine.executor.multiproc import MultiprocExecutor
 
             return MultiprocExecutor
-        raise ValueError(
-            f"distributed_executor_backend={backend!r} is not available in this build yet (only 'uni' and 'mp')"
-        )
+        from engine.executor.ray_distributed import RayDistributedExecutor
+
+        return RayDistributedExecutor
+
+    @staticmethod
+    def inherit_caller_context(config: EngineConfig) -> EngineConfig:
+        """The config for an engine core started from this process in another one: executors whose
+        workers depend on where the caller runs (its Ray cluster, its placement group) record it here."""
+        return config
 
     @abc.abstractmethod
     def _init_executor(self) -> None:

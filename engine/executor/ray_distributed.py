@@ -1,0 +1,260 @@
+"""Workers as Ray actors, one per placement-group bundle, across the nodes of a Ray cluster.
+
+The engine core (this process) is a Ray driver. Each step is pickled once and the same bytes go to
+every worker as one remote call; stages pass activations to each other over torch.distributed, never
+through the object store. Calls are awaited with `ray.wait`, one answer at a time, so that the first
+dead actor (a killed process, a removed node) fails the call at once with EngineDeadError, rather than
+after the live ranks, which may be blocked in a collective with it, time out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster import placement
+from engine.config import EngineConfig
+from engine.exceptions import EngineDeadError
+from engine.executor.base import Executor
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 300.0  # actor start plus model load on every worker
+_HEALTH_TIMEOUT_S = 30.0  # a live worker that does not answer check_health within this is hung
+_DEAD_PEER_GRACE_S = 2.0  # how long a failed step waits for the other ranks to reveal a dead actor
+
+
+class RayWorker:
+    """The actor around one Worker: runs its methods by name (its process title is `ray::RayWorker`)."""
+
+    def __init__(self) -> None:
+        self.worker: Worker | None = None
+
+    def node_info(self) -> tuple[str, str, int]:
+        """(Ray node id, node IP, cores this process may run on)."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        context = ray.get_runtime_context()
+        return context.get_node_id(), ray.util.get_node_ip_address(), cores
+
+    def free_port(self) -> int:
+        """A port free on this worker's node, for the torch.distributed rendezvous it will host."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("", 0))
+            return probe.getsockname()[1]
+
+    def start(self, config: EngineConfig, rank: int, init_method: str, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        # Ray narrows CUDA_VISIBLE_DEVICES to this actor's own GPU, so its device index is always 0.
+        self.worker = Worker(config, rank, 0, init_method)
+
+    def execute_method(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def execute_model(self, message: bytes) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(pickle.loads(message))
+
+
+class RayDistributedExecutor(Executor):
+    """Runs tensor_parallel_size x pipeline_parallel_size Workers as Ray actors in a placement group."""
+
+    @staticmethod
+    def inherit_caller_context(config: EngineConfig) -> EngineConfig:
+        """Settings for a core in another process: join (or start) the cluster here, where the caller
+        may already be connected, and hand the core its address and the placement group this process
+        runs in (a Serve replica's), so that it joins the same cluster and places workers there."""
+        parallel = config.parallel
+        placement.connect(parallel.ray_address)
+        updates: dict[str, Any] = {"ray_address": ray.get_runtime_context().gcs_address}
+        if parallel.placement_group_id is None:
+            updates["placement_group_id"] = placement.current_placement_group_id()
+        return config.model_copy(update={"parallel": parallel.model_copy(update=updates)})
+
+    def _init_executor(self) -> None:
+        parallel = self.config.parallel
+        self._failure: str | None = None
+        self._workers: list[Any] = []
+        self.worker_nodes: list[str] = []
+        self._placement_group = None
+        self._owns_placement_group = parallel.placement_group_id is None
+        placement.connect(parallel.ray_address)
+        try:
+            self._start_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_workers(self) -> None:
+        parallel = self.config.parallel
+        world_size = parallel.world_size
+        bundle = placement.worker_bundle(self.config)
+        if self._owns_placement_group:
+            self._placement_group = placement.reserve_placement_group(parallel, bundle)
+        else:
+            self._placement_group = placement.placement_group_by_id(parallel.placement_group_id)
+            if self._placement_group.bundle_count < world_size:
+                raise ValueError(
+                    f"placement group {parallel.placement_group_id} has "
+                    f"{self._placement_group.bundle_count} bundles; {world_size} workers need one each"
+                )
+        actor_class = ray.remote(RayWorker)
+        actors = [
+            actor_class.options(
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                resources={name: amount for name, amount in bundle.items() if name not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._placement_group, placement_group_bundle_index=index
+                ),
+            ).remote()
+            for index in range(world_size)
+        ]
+        self._workers = actors  # so that shutdown kills them if anything below fails
+        infos = self._wait([actor.node_info.remote() for actor in actors], "node_info", _deadline())
+        nodes = [node for node, _, _ in infos]
+        driver_node = ray.get_runtime_context().get_node_id()
+        order = placement.rank_order(nodes, driver_node, parallel.tensor_parallel_size)
+        self._workers = [actors[index] for index in order]
+        self.worker_nodes = [nodes[index] for index in order]
+        rank0_ip = infos[order[0]][1]
+        port = self._wait([self._workers[0].free_port.remote()], "free_port", _deadline())[0]
+        init_method = f"tcp://{rank0_ip}:{port}"
+        per_node = {node: self.worker_nodes.count(node) for node in self.worker_nodes}
+        starts = []
+        for rank, index in enumerate(order):
+            node, _, cores = infos[index]
+            # Co-located workers share the node's cores; none may ask for more than its bundle.
+            threads = max(1, min(int(bundle.get("CPU", 1)) or 1, cores // per_node[node]))
+            starts.append(self._workers[rank].start.remote(self.config, rank, init_method, threads))
+        self._wait(starts, "start", _deadline())
+        logger.info(
+            "Started %d Ray workers on %d node(s), rendezvous at %s", world_size, len(per_node), init_method
+        )
+        # init_device joins the process group, which needs every rank at once: one call to each does that.
+        self.collective_rpc("init_device", timeout=_STARTUP_TIMEOUT_S)
+        self.collective_rpc("load_model", timeout=_STARTUP_TIMEOUT_S)
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        self._check_alive(method)
+        refs = [worker.execute_method.remote(method, args, kwargs or {}) for worker in self._workers]
+        return self._wait(refs, method, None if timeout is None else time.monotonic() + timeout)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Send the step to every worker now (one pickled message, the same bytes for all); the returned
+        callable waits for its output. An actor runs its calls in order, so pipeline stages work on
+        consecutive steps at once."""
+        self._check_alive("execute_model")
+        message = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        refs = [worker.execute_model.remote(message) for worker in self._workers]
+        return lambda: next(
+            output for output in self._wait(refs, "execute_model", None) if output is not None
+        )
+
+    def _check_alive(self, method: str) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(f"{self._failure}; cannot run {method}")
+
+    def _wait(self, refs: list[ray.ObjectRef], method: str, deadline: float | None) -> list[Any]:
+        """The results of `refs` (one per rank, in rank order), failing on the first error.
+
+        A worker's exception in a step is fatal, as a dead worker is: its peers are left mid-collective.
+        It is often the symptom (a collective whose peer vanished), so the other ranks get a moment to
+        show a dead actor, which is then named as the cause."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                ranks = sorted(rank_of[ref] for ref in pending)
+                raise TimeoutError(f"worker rank(s) {ranks} did not answer {method} in time")
+            rank = rank_of[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0], timeout=0)
+            except RayActorError as error:
+                raise self._fail(
+                    f"Ray worker rank {rank}{self._node_of(rank)} died: {_first_line(error)}", method
+                ) from None
+            except RayTaskError as error:
+                if method != "execute_model":
+                    raise RuntimeError(f"worker rank {rank} failed in {method}:\n{error}") from None
+                dead = self._find_dead(pending, rank_of)
+                if dead is not None:
+                    raise self._fail(dead, method) from None
+                raise self._fail(
+                    f"Ray worker rank {rank}{self._node_of(rank)} failed in a step: {_first_line(error.cause)}",
+                    method,
+                ) from None
+        return [results[rank] for rank in range(len(refs))]
+
+    def _find_dead(self, pending: list[ray.ObjectRef], rank_of: dict[ray.ObjectRef, int]) -> str | None:
+        """Which of the ranks still answering `pending` calls died, if one shows it within a grace period."""
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=_DEAD_PEER_GRACE_S)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as error:
+                rank = rank_of[ref]
+                return f"Ray worker rank {rank}{self._node_of(rank)} died: {_first_line(error)}"
+            except Exception:  # another symptom: the first error is reported instead
+                continue
+        return None
+
+    def _node_of(self, rank: int) -> str:
+        return f" (node {self.worker_nodes[rank][:8]})" if rank < len(self.worker_nodes) else ""
+
+    def _fail(self, failure: str, method: str) -> EngineDeadError:
+        """Mark the executor dead and stop the workers (the live ones wait in collectives for the dead)."""
+        if self._failure is None:
+            self._failure = failure
+            logger.error("%s; stopping the other workers", failure)
+            self._kill_workers()
+        return EngineDeadError(f"{self._failure}; {method} did not complete")
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when a worker died, TimeoutError when a live one does not answer."""
+        self.collective_rpc("check_health", timeout=_HEALTH_TIMEOUT_S)
+
+    def _kill_workers(self) -> None:
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)
+
+    def shutdown(self) -> None:
+        """Kill every actor and remove the placement group this executor created; safe to call twice."""
+        if getattr(self, "_failure", None) is None:
+            self._failure = "the executor was shut down"
+        if not ray.is_initialized():
+            return
+        self._kill_workers()
+        self._workers = []
+        if self._placement_group is not None and self._owns_placement_group:
+            remove_placement_group(self._placement_group)
+        self._placement_group = None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _deadline() -> float:
+    return time.monotonic() + _STARTUP_TIMEOUT_S

@@ -1,0 +1,215 @@
+"""RayDistributedExecutor on a real three-node Ray cluster (one machine; nodes told apart by node id).
+
+The head node runs the driver and no worker; each of the two worker nodes offers two `raypage_worker`
+slots, which every worker bundle asks for, so a TP=2 x PP=2 engine must put one pipeline stage on each
+worker node, its tensor-parallel pair together.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from cluster.placement import rank_order
+from engine import LLM, EngineConfig, SamplingParams
+from engine.core import EngineCore
+from engine.exceptions import EngineDeadError
+from engine.executor.ray_distributed import RayDistributedExecutor
+from engine.models.model_files import resolve_engine_config
+from engine.outputs import EngineCoreRequest
+from tests.model.tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.slow
+
+OBJECT_STORE_BYTES = 100 * 1024 * 1024
+WORKER_BUNDLE = {"CPU": 1.0, "raypage_worker": 1.0}
+SETTINGS = {"dtype": "float32", "num_kv_blocks": 64, "placement_bundle": WORKER_BUNDLE}
+PROMPTS = ["The capital of France is", "Hello, my name is", "1, 2, 3, 4,"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+DEATH_NOTICE_S = 10.0  # how long a dead worker may take to fail the in-flight step
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+            # Notice a removed node within about three seconds.
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+        },
+    )
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, resources={"raypage_worker": 2}, object_store_memory=OBJECT_STORE_BYTES)
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 4 heads and 2 KV heads split over two TP ranks; 2 layers, one per pipeline stage.
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model: Path) -> list[list[int]]:
+    """Greedy tokens of the single-process engine."""
+    llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=64, distributed_executor_backend="uni")
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _config(model: Path, **settings: object) -> EngineConfig:
+    return resolve_engine_config(EngineConfig.from_flat(model=str(model), **{**SETTINGS, **settings}))
+
+
+def _worker_nodes() -> list[str]:
+    return [
+        node["NodeID"] for node in ray.nodes() if node["Alive"] and node["Resources"].get("raypage_worker")
+    ]
+
+
+def _placement_groups() -> set[str]:
+    """Ids of the cluster's placement groups that are not removed."""
+    return {
+        group_id
+        for group_id, group in ray.util.placement_group_table().items()
+        if group["state"] != "REMOVED"
+    }
+
+
+def _wait_gone(pids: list[int], timeout_s: float = DEATH_NOTICE_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_ranks_keep_tensor_parallel_groups_on_one_node():
+    # Bundles as a PACK placement might return them: interleaved over two nodes.
+    assert rank_order(["b", "a", "b", "a"], driver_node="a", tp_size=2) == [1, 3, 0, 2]
+    assert rank_order(["b", "c", "b", "c"], driver_node="a", tp_size=2) == [0, 2, 1, 3]
+
+
+def test_tp2_pp2_across_nodes_matches_the_single_process_engine(cluster, tiny_model, expected):
+    groups_before = _placement_groups()
+    llm = LLM(
+        str(tiny_model),
+        multiprocess_mode=False,  # the core in this process, so that the test sees its executor
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="ray",
+        **SETTINGS,
+    )
+    executor = llm.llm_engine.engine_core.engine_core.executor
+    assert isinstance(executor, RayDistributedExecutor)
+    try:
+        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == expected
+        nodes = executor.worker_nodes
+        assert set(nodes) == set(_worker_nodes())
+        # Ranks 0-1 are stage 0, ranks 2-3 stage 1: each stage on one node, the stages on two.
+        assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
+        pids = [info["pid"] for info in llm.collective_rpc("process_info")]
+        assert len(set(pids)) == 4 and os.getpid() not in pids
+    finally:
+        llm.llm_engine.shutdown()
+    assert _wait_gone(pids), "shutdown left worker actors running"
+    assert _placement_groups() == groups_before
+
+
+def test_killed_worker_actor_fails_in_flight_requests(cluster, tiny_model, expected):
+    # The engine core in its own process, a Ray driver of its own that joins this cluster.
+    llm = LLM(str(tiny_model), tensor_parallel_size=2, distributed_executor_backend="ray", **SETTINGS)
+    try:
+        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == expected
+        pids = [info["pid"] for info in llm.collective_rpc("process_info")]
+        long_run = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+        errors: list[BaseException] = []
+
+        def generate() -> None:
+            try:
+                llm.generate(PROMPTS, long_run, use_tqdm=False)
+            except BaseException as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=generate, daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        assert thread.is_alive(), "generation ended before the fault"
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        thread.join(DEATH_NOTICE_S)
+        assert not thread.is_alive(), "the in-flight requests did not fail"
+        assert time.monotonic() - killed_at < DEATH_NOTICE_S
+        assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
+        assert "Ray worker rank 1" in str(errors[0]) and "died" in str(errors[0])
+        # The surviving worker, blocked in an all-reduce with the dead one, is stopped too.
+        assert _wait_gone(pids)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_removed_node_fails_the_in_flight_step(cluster, tiny_model):
+    core = EngineCore(
+        _config(tiny_model, pipeline_parallel_size=2, placement_strategy="SPREAD"), RayDistributedExecutor
+    )
+    executor = core.executor
+    assert len(set(executor.worker_nodes)) == 2
+    params = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+    for index in range(4):
+        core.add_request(EngineCoreRequest(f"r{index}", [1, 2, 3, 4 + index], params, None, time.time()))
+    stepping, errors = threading.Event(), []
+
+    def generate() -> None:
+        try:
+            while core.has_unfinished_requests():
+                core.step()
+                stepping.set()
+        except Exception as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    try:
+        assert stepping.wait(60), "generation did not start"
+        doomed = next(node for node in cluster.worker_nodes if node.node_id == executor.worker_nodes[1])
+        removed_at = time.monotonic()
+        cluster.remove_node(doomed, allow_graceful=False)
+        thread.join(DEATH_NOTICE_S)
+        assert not thread.is_alive(), "the in-flight step did not notice the removed node"
+        assert time.monotonic() - removed_at < DEATH_NOTICE_S
+        assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
+        # Rank 1 died with its node; rank 0 may have noticed first, its all-reduce cut off.
+        assert re.search(r"Ray worker rank [01] \(node \w+\) (died|failed in a step)", str(errors[0]))
+        with pytest.raises(EngineDeadError, match="Ray worker rank"):
+            executor.check_health()
+    finally:
+        core.shutdown()
+        # Give the cluster its second worker node back.
+        cluster.add_node(num_cpus=2, resources={"raypage_worker": 2}, object_store_memory=OBJECT_STORE_BYTES)
+    core.shutdown()  # harmless the second time
+
+
+def test_placement_timeout_names_the_missing_resources(cluster, tiny_model):
+    groups_before = _placement_groups()
+    config = _config(tiny_model, tensor_parallel_size=2, placement_bundle={"GPU": 1}, placement_timeout_s=2)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"GPU needs 2, 0 of 0 available") as error:
+        RayDistributedExecutor(config)
+    assert time.monotonic() - started < 30
+    assert "placement_timeout_s=2" in str(error.value)
+    assert _placement_groups() == groups_before
