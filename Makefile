@@ -36,9 +36,10 @@ format: $(STAMP)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-# The OpenAI-compatible server on 127.0.0.1:8000 with the packaged SmolLM2; more flags in SERVE_ARGS.
+# The OpenAI-compatible endpoint on 127.0.0.1:8000 with the packaged SmolLM2, run by Ray Serve on a local
+# Ray cluster (or the one at SERVE_ARGS="--address HOST:PORT"); more flags in SERVE_ARGS.
 serve: $(STAMP)
-	$(VENV)/bin/raypage api-server --host 127.0.0.1 --port 8000 --config configs/engine/smollm2.yaml $(SERVE_ARGS)
+	$(VENV)/bin/raypage serve --host 127.0.0.1 --port 8000 --config configs/engine/smollm2.yaml $(SERVE_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/raypage bench throughput --num-prompts 64 --input-len 128 --output-len 128 --dtype bfloat16

@@ -1,5 +1,6 @@
-"""The `raypage` command: generate, chat, bench and api-server (serve is to come).
+"""The `raypage` command: serve, api-server, generate, chat and bench.
 
+raypage serve --config configs/engine/smollm2.yaml --host 127.0.0.1 --port 8000 [--address HOST:PORT]
 raypage generate "The capital of France is" --max-tokens 16
 raypage chat "Name three colors." --system "You are terse." --dtype float32
 raypage bench throughput --num-prompts 64 --input-len 128 --output-len 128
@@ -17,6 +18,7 @@ from typing import Any
 from cluster.bench import serve, throughput
 from cluster.engine_args import add_engine_args, engine_settings_from_args
 from cluster.openai import api_server
+from cluster.serve import command as serve_command
 from engine import LLM, SamplingParams
 
 # A handler gets the parsed arguments and the checked flat engine settings.
@@ -50,6 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(handler=run_chat, command_parser=chat, check_args=_sampling_params)
+
+    serve_app = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API with Ray Serve",
+        description="Run the Ray Serve app (an OpenAI ingress in front of LLMServer replicas) on a "
+        "Ray cluster, joined at --address or started here, until SIGINT or SIGTERM.",
+    )
+    serve_command.add_parser_args(serve_app)
+    add_engine_args(serve_app)
+    serve_app.set_defaults(
+        handler=serve_command.run_serve, command_parser=serve_app, check_args=serve_command.check_args
+    )
 
     server = commands.add_parser(
         "api-server",

@@ -1,0 +1,130 @@
+"""The args of `cluster.serve_app:build_app` (a Serve config's `args:`, or `raypage serve`'s flags),
+parsed and validated without starting anything.
+
+Three kinds of keys share one flat mapping: `config` (a flat engine YAML file), flat engine keys
+(which override the file's), and the Serve keys of `ServeOptions` (HTTP settings and deployment
+options). A key of none of these kinds is an error that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cluster.openai.app import ServerSettings
+from engine.config import EngineConfig, load_yaml_mapping
+from engine.models.model_files import PACKAGED_GGUF
+
+ENGINE_FILE_KEY = "config"
+
+
+class ServeOptions(BaseModel):
+    """The Serve keys of the app's args: the HTTP app's settings and the deployments' options."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    served_model_name: str | list[str] | None = Field(
+        None, description="Names clients use in 'model'; None: the model path, or the packaged model's name"
+    )
+    api_key: str | None = Field(
+        None, description="Require 'Authorization: Bearer KEY' on every route but /health and /metrics"
+    )
+    max_request_body_bytes: int = Field(1 << 20, gt=0, description="Larger request bodies get 413")
+    log_stats_interval: float = Field(
+        10.0, ge=0, description="Seconds between the engine's throughput log lines; 0 turns them off"
+    )
+    enable_access_log: bool = Field(True, description="Log every HTTP request in the ingress replica's log")
+    num_replicas: int = Field(1, ge=1, description="LLMServer replicas, each with its own engine")
+    max_ongoing_requests: int = Field(
+        256,
+        ge=1,
+        description="Requests one replica of either deployment takes at once (Serve's default of 5 "
+        "would starve the engine's continuous batching)",
+    )
+    llm_server_cpus: float = Field(
+        1.0,
+        ge=0,
+        description="CPUs of each LLMServer replica itself (with the ray executor: added to the first "
+        "bundle of its placement group, beside worker rank 0's)",
+    )
+    ingress_cpus: float = Field(1.0, ge=0, description="CPUs of each OpenAI ingress replica")
+    health_check_period_s: float = Field(
+        10.0, gt=0, description="Seconds between Serve's health checks of an LLMServer replica"
+    )
+    health_check_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a health check may take before it counts as failed"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeAppSettings:
+    """Everything `build_app` needs, checked: the engine's flat settings, the config they make (not
+    resolved: the model files are read on the replicas), the HTTP settings and the Serve options."""
+
+    engine_settings: dict[str, Any]
+    engine_config: EngineConfig
+    server: ServerSettings
+    options: ServeOptions
+
+
+def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
+    """Split and validate `args`; ValueError naming the bad key (and the engine file, if from it)."""
+    args = dict(args)
+    path = args.pop(ENGINE_FILE_KEY, None)
+    option_args = {key: args.pop(key) for key in list(args) if key in ServeOptions.model_fields}
+    unknown = sorted(set(args) - set(EngineConfig.flat_fields()))
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) in the Serve app's args: {', '.join(map(repr, unknown))}; known keys are "
+            f"{ENGINE_FILE_KEY!r}, the Serve keys {', '.join(ServeOptions.model_fields)} and the flat "
+            f"engine keys {', '.join(EngineConfig.flat_fields())}"
+        )
+    engine_settings = {**_read_engine_file(path), **args} if path else args
+    try:
+        engine_config = EngineConfig.from_flat(**engine_settings)
+    except ValidationError as exc:
+        origin = f" (from {path}, overridden by the args)" if path else ""
+        raise ValueError(f"invalid engine settings{origin}: {_describe(exc)}") from None
+    except ValueError as exc:  # an unknown key, which only the file can hold by now
+        raise ValueError(f"{ENGINE_FILE_KEY} {path}: {exc}") from None
+    try:
+        options = ServeOptions(**option_args)
+    except ValidationError as exc:
+        raise ValueError(f"invalid Serve settings: {_describe(exc)}") from None
+    server = ServerSettings(
+        served_model_names=served_model_names(options.served_model_name, engine_config.model.model),
+        api_key=options.api_key or None,
+        max_request_body_bytes=options.max_request_body_bytes,
+        log_stats_interval=options.log_stats_interval,
+    )
+    return ServeAppSettings(engine_settings, engine_config, server, options)
+
+
+def served_model_names(requested: str | list[str] | None, model: str | None) -> list[str]:
+    """The names a client may use: as asked, else the model path, else the packaged model's name."""
+    if isinstance(requested, str):
+        return [requested]
+    if requested:
+        return list(requested)
+    return [model if model else Path(PACKAGED_GGUF).name.split(".")[0]]
+
+
+def _read_engine_file(path: str) -> dict[str, Any]:
+    try:
+        return load_yaml_mapping(Path(path))
+    except (OSError, yaml.YAMLError, ValueError) as exc:
+        raise ValueError(f"{ENGINE_FILE_KEY} {path}: {exc}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    """One clause per error, naming the key: 'health_check_period_s: Input should be ... (got 0)'."""
+    clauses = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"])
+        clauses.append(f"{key}: {error['msg']} (got {error['input']!r})" if key else error["msg"])
+    return "; ".join(clauses)

@@ -1,0 +1,120 @@
+"""`raypage serve`: the Serve application on a Ray cluster, until SIGINT or SIGTERM.
+
+raypage serve [--config FILE] [--address HOST:PORT] [--host 127.0.0.1] [--port 8000] [--api-key K]
+              [engine flags]
+
+Joins the cluster at --address, or starts a local one (its CPUs: the machine's, or as many as the app
+reserves if that is more, since logical CPUs only count reservations). Serve's HTTP proxy listens
+on host:port. On a signal Serve is shut down, and so is the local cluster when this command started it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import ray
+from ray import serve
+
+from cluster.openai.api_server import add_server_args
+from cluster.serve.args import parse_app_args
+from cluster.serve_app import build_app, required_cpus
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "raypage"
+# The engine ships only scheduler messages and sampled tokens through the object store.
+LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024
+
+
+def add_parser_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `raypage serve` besides the engine's."""
+    add_server_args(parser)
+    group = parser.add_argument_group("ray serve", "Where the app runs and how Serve manages it.")
+    group.add_argument(
+        "--address",
+        help="Ray cluster to join (host:port of its GCS, or 'auto'); default: start a local one",
+    )
+    group.add_argument(
+        "--num-cpus",
+        type=float,
+        help="CPUs of the local cluster (default: the machine's, at least what the app reserves)",
+    )
+    group.add_argument("--num-replicas", type=int, default=1, help="LLMServer replicas (default: 1)")
+    group.add_argument(
+        "--health-check-period-s",
+        type=float,
+        default=10.0,
+        help="seconds between Serve's health checks of an LLMServer replica (default: 10)",
+    )
+    group.add_argument(
+        "--health-check-timeout-s",
+        type=float,
+        default=30.0,
+        help="seconds a health check may take before it fails (default: 30)",
+    )
+
+
+def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[str, Any]:
+    """`build_app`'s args from the parsed flags and the checked flat engine settings."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    return {
+        **engine_settings,
+        "served_model_name": args.served_model_name,
+        "api_key": args.api_key,
+        "max_request_body_bytes": args.max_request_body_bytes,
+        "log_stats_interval": args.log_stats_interval,
+        "enable_access_log": not args.disable_access_log,
+        "num_replicas": args.num_replicas,
+        "health_check_period_s": args.health_check_period_s,
+        "health_check_timeout_s": args.health_check_timeout_s,
+    }
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError on a bad flag, before any cluster is started."""
+    parse_app_args(app_args(args, {}))
+
+
+def run_serve(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None:
+    """Run the app until SIGINT or SIGTERM, then shut Serve (and a cluster started here) down."""
+    settings_args = app_args(args, engine_settings)
+    app = build_app(settings_args)
+    try:
+        _connect(args, settings_args)
+        # After ray.init, which installs its own SIGTERM handler (it aborts the process, leaving the
+        # local cluster's agents behind): both signals now interrupt start-up or the wait below.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        logger.info("serving on http://%s:%d until SIGINT or SIGTERM", args.host, args.port)
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        logger.info("stopping")
+    finally:
+        # A second signal must not cut the clean-up short and leave the cluster's processes behind.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        if ray.is_initialized():
+            serve.shutdown()
+        ray.shutdown()  # stops the local cluster; from a joined one it only disconnects
+
+
+def _connect(args: argparse.Namespace, settings_args: dict[str, Any]) -> None:
+    if args.address:
+        ray.init(address=args.address, logging_level=logging.WARNING)
+        return
+    num_cpus = args.num_cpus or max(os.cpu_count() or 1, required_cpus(parse_app_args(settings_args)))
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+    )

@@ -1,0 +1,126 @@
+"""The OpenAI ingress deployment: the FastAPI app of `cluster.openai.app` over an engine client that
+forwards to the `LLMServer` deployment.
+
+Tokenization, chat templates and validation run here, with a tokenizer and input processor built
+from the same engine settings (the model files are local to every node); generation runs in an
+LLMServer replica and streams back through `DeploymentHandle.options(stream=True)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from cluster.openai.app import ServerSettings, build_app
+from cluster.serve.llm_server import EngineState
+from engine.config import EngineConfig
+from engine.exceptions import EngineDeadError
+from engine.input_processor import PromptType
+from engine.llm_engine import build_front_end
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How often the ingress refreshes the engine state behind /metrics.
+STATE_POLL_INTERVAL_S = 1.0
+# Failures that mean the LLMServer replica (not the request) is gone.
+_REPLICA_GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+
+
+class DeploymentEngineClient:
+    """The app's `EngineClient` over an `LLMServer` deployment handle.
+
+    Errors come back as the engine raised them (ValueError -> 400, EngineDeadError -> 503), not
+    wrapped in Ray's exceptions; a replica that died is an EngineDeadError too.
+    """
+
+    def __init__(self, handle: DeploymentHandle, engine_settings: dict[str, Any]) -> None:
+        self.config, self.tokenizer, self.input_processor = build_front_end(
+            EngineConfig.from_flat(**engine_settings)
+        )
+        self._handle = handle
+        self._state = EngineState(errored=False, stats={})
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs from an LLMServer replica; closing this early cancels the remote
+        generator, which aborts the request there and frees its blocks."""
+        stream = self._handle.options(stream=True).generate.remote(
+            prompt, sampling_params, request_id, priority
+        )
+        finished = False
+        try:
+            async for output in stream:
+                finished = output.finished
+                yield output
+        except Exception as exc:
+            raise engine_error(exc) from None
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def check_health(self) -> None:
+        try:
+            await self._handle.check_health.remote()
+        except Exception as exc:
+            raise engine_error(exc) from None
+
+    @property
+    def errored(self) -> bool:
+        return self._state["errored"]
+
+    def get_stats(self) -> dict[str, Any]:
+        return self._state["stats"] or {}
+
+    async def poll_state(self, interval: float) -> None:
+        """Refresh what `errored` and `get_stats` report, every `interval` seconds, for ever."""
+        while True:
+            try:
+                self._state = await self._handle.get_state.remote()
+            except Exception as exc:
+                # A replica being replaced: the next poll reaches its successor.
+                logger.debug("polling the LLMServer failed: %r", exc)
+                self._state = EngineState(errored=True, stats=None)
+            await asyncio.sleep(interval)
+
+
+def engine_error(exc: Exception) -> Exception:
+    """The error a replica call failed with, as the app's error handlers know it."""
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, Exception):
+        return exc.cause  # the engine's own ValueError or EngineDeadError, without Ray's traceback
+    if isinstance(exc, _REPLICA_GONE):
+        return EngineDeadError(f"the LLMServer replica is gone ({type(exc).__name__})")
+    return exc
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress()
+class OpenAIIngress:
+    """The HTTP front door: OpenAI's routes, /health, /metrics, /tokenize, over an LLMServer."""
+
+    def __init__(
+        self, llm_server: DeploymentHandle, engine_settings: dict[str, Any], settings: ServerSettings
+    ) -> None:
+        self._client = DeploymentEngineClient(llm_server, engine_settings)
+        self._settings = settings
+        self._poll_task: asyncio.Task | None = None
+
+    async def __serve_build_asgi_app__(self) -> FastAPI:
+        # Serve calls this on the replica's event loop once the constructor has run.
+        self._poll_task = asyncio.create_task(self._client.poll_state(STATE_POLL_INTERVAL_S))
+        return build_app(self._client, self._settings)
+
+    def __del__(self) -> None:
+        # A replica whose constructor failed has no poll task.
+        if getattr(self, "_poll_task", None) is not None:
+            self._poll_task.cancel()
