@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -101,7 +102,7 @@ def measure(
     _run_to_completion(engine, [(prompt, WARMUP_TOKENS) for prompt in WARMUP_PROMPTS], "warmup", params)
     engine.collective_rpc("communication_stats")  # count from here on
     start = time.perf_counter()
-    output_tokens, kv = _run_to_completion(engine, workload, "bench", params)
+    output_tokens, kv, step_times = _run_to_completion(engine, workload, "bench", params)
     elapsed = time.perf_counter() - start
     communication = communication_shares(engine.collective_rpc("communication_stats"), elapsed)
     sequences = params(1)
@@ -118,6 +119,8 @@ def measure(
         "kv_cache_utilization_mean": kv.mean_utilization,
         "kv_memory_saved_by_sharing": kv.saved_by_sharing,
         "elapsed_s": elapsed,
+        # Decode steps outnumber the few prefill steps, so the median is a decode step's time.
+        "step_time_median_ms": statistics.median(step_times) * 1000,
         "num_preemptions": engine.get_stats()["num_preemptions"],
         "communication": communication,
     }
@@ -171,22 +174,29 @@ def _run_to_completion(
     id_prefix: str,
     params: Callable[[int], SamplingParams | BeamSearchParams],
 ) -> tuple[int, KVUsage]:
-    """(output tokens produced over every returned sequence, the KV-cache figures of the run)."""
+    """(output tokens produced over every returned sequence, the KV-cache figures of the run, the
+    wall time of each step)."""
     for index, (prompt, max_tokens) in enumerate(workload):
         engine.add_request(f"{id_prefix}-{index}", {"prompt_token_ids": prompt}, params(max_tokens))
     output_tokens = 0
     usage = KVUsage()
+    step_times = []
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        started = time.perf_counter()
+        outputs = engine.step()
+        step_times.append(time.perf_counter() - started)
+        for output in outputs:
             if output.finished:
                 output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
         usage.add(engine.get_stats(), engine.config.cache.block_size)
-    return output_tokens, usage
+    return output_tokens, usage, step_times
 
 
 def run(args: argparse.Namespace, settings: dict[str, Any]) -> None:
     """Handler of `raypage bench throughput`: measure, print a summary, write the JSON results."""
-    engine = LLMEngine(EngineConfig.from_flat(**settings))
+    # The core in this process, so that a step's time is the core's own: scheduling, the executor's
+    # round trip to its workers, the forward pass and the output update.
+    engine = LLMEngine(EngineConfig.from_flat(**settings), multiprocess_mode=False)
     try:
         engine_settings = engine.config.to_flat()  # resolved: model path, device, dtype, max_model_len
         workload_settings = {
@@ -245,6 +255,7 @@ def print_summary(results: dict[str, Any]) -> None:
         if shares["total"]:
             detail = ", ".join(f"{op} {share:.1%}" for op, share in shares.items() if op != "total")
             print(f"Rank {rank} communicating: {shares['total']:.1%} of the run ({detail})")
+    print(f"Median step time: {results['step_time_median_ms']:.2f} ms")
     print(f"Elapsed: {results['elapsed_s']:.2f} s ({results['num_preemptions']} preemptions)")
 
 
