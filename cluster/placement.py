@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from collections import Counter
 from collections.abc import Sequence
 
@@ -50,9 +52,22 @@ def replica_bundles(config: EngineConfig, replica_resources: dict[str, float]) -
 
 
 def connect(address: str | None) -> None:
-    """Join the cluster at `address`; with None, join a running one, else start a local one."""
+    """Join the cluster at `address`; with None, join a running one, else start a local one.
+
+    ray.init replaces the process's SIGTERM handler with one that dumps a stack trace; the caller's
+    own (the engine core's clean exit) is put back."""
     if ray.is_initialized():
         return
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        _init(address)
+    finally:
+        if in_main_thread and on_sigterm is not None:
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _init(address: str | None) -> None:
     if address is not None:
         ray.init(address=address, logging_level=logging.WARNING)
         return
