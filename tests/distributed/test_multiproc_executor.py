@@ -16,6 +16,7 @@ from engine.core import EngineCore
 from engine.exceptions import EngineDeadError
 from engine.executor.base import Executor
 from engine.executor.multiproc import MultiprocExecutor
+from engine.executor.ray_distributed import RayDistributedExecutor
 from engine.executor.uniproc import UniProcExecutor
 from engine.models.model_files import resolve_engine_config
 from engine.outputs import EngineCoreRequest
@@ -60,6 +61,8 @@ def test_backend_choice():
     assert Executor.get_class(EngineConfig.from_flat()) is UniProcExecutor
     assert Executor.get_class(EngineConfig.from_flat(distributed_executor_backend="mp")) is MultiprocExecutor
     assert Executor.get_class(EngineConfig.from_flat(tensor_parallel_size=2)) is MultiprocExecutor
+    ray_config = EngineConfig.from_flat(distributed_executor_backend="ray")
+    assert Executor.get_class(ray_config) is RayDistributedExecutor
 
 
 def test_mp_greedy_outputs_equal_uni():
