@@ -30,7 +30,7 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# How often the ingress refreshes the engine state behind /metrics.
+# How often the ingress refreshes the engine state and metrics behind /metrics.
 STATE_POLL_INTERVAL_S = 1.0
 # Failures that mean the LLMServer replica (not the request) is gone.
 _REPLICA_GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
@@ -48,7 +48,7 @@ class DeploymentEngineClient:
             EngineConfig.from_flat(**engine_settings)
         )
         self._handle = handle
-        self._state = EngineState(errored=False, stats={})
+        self._state = EngineState(errored=False, stats={}, metrics=b"")
 
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
@@ -82,16 +82,36 @@ class DeploymentEngineClient:
     def get_stats(self) -> dict[str, Any]:
         return self._state["stats"] or {}
 
+    @property
+    def metrics(self) -> bytes:
+        """The LLMServer replica's Prometheus text, as last polled."""
+        return self._state["metrics"]
+
     async def poll_state(self, interval: float) -> None:
-        """Refresh what `errored` and `get_stats` report, every `interval` seconds, for ever."""
+        """Refresh what `errored`, `get_stats` and `metrics` report, every `interval` seconds, for ever."""
         while True:
             try:
                 self._state = await self._handle.get_state.remote()
             except Exception as exc:
                 # A replica being replaced: the next poll reaches its successor.
                 logger.debug("polling the LLMServer failed: %r", exc)
-                self._state = EngineState(errored=True, stats=None)
+                self._state = EngineState(errored=True, stats=None, metrics=self._state["metrics"])
             await asyncio.sleep(interval)
+
+
+class ReplicaMetrics:
+    """Stands in for the app's `PrometheusStatLogger`: /metrics shows the metrics an LLMServer
+    replica's engine records (request counts, latency histograms, gauges), as last polled. With
+    several replicas each poll reaches one of them."""
+
+    def __init__(self, client: DeploymentEngineClient) -> None:
+        self._client = client
+
+    def update_scheduler_stats(self, stats: dict[str, Any]) -> None:
+        """Nothing to do: the replica's engine keeps its gauges current itself."""
+
+    def render(self) -> bytes:
+        return self._client.metrics
 
 
 def engine_error(exc: Exception) -> Exception:
@@ -118,7 +138,8 @@ class OpenAIIngress:
     async def __serve_build_asgi_app__(self) -> FastAPI:
         # Serve calls this on the replica's event loop once the constructor has run.
         self._poll_task = asyncio.create_task(self._client.poll_state(STATE_POLL_INTERVAL_S))
-        return build_app(self._client, self._settings)
+        metrics = ReplicaMetrics(self._client)
+        return build_app(self._client, self._settings, prometheus=metrics)  # type: ignore[arg-type]
 
     def __del__(self) -> None:
         # A replica whose constructor failed has no poll task.

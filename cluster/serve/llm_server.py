@@ -15,20 +15,22 @@ from typing import Any, TypedDict
 
 from ray import serve
 
-from cluster.metrics import LoggingStatLogger
+from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import _log_periodically
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.input_processor import PromptType
+from engine.models.model_files import resolve_engine_config
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
 class EngineState(TypedDict):
-    """What the ingress polls for its /metrics gauges."""
+    """What the ingress polls for its /metrics route."""
 
     errored: bool
     stats: dict[str, Any] | None  # the scheduler's latest counters; None once the engine is dead
+    metrics: bytes  # this replica's Prometheus text: request counters, latency histograms, gauges
 
 
 @serve.deployment(name="LLMServer")
@@ -36,12 +38,16 @@ class LLMServer:
     """One engine per replica. With the ray executor its workers go into the replica's placement
     group (worker rank i in bundle i), which `build_app` asks Serve to reserve for the replica."""
 
-    async def __init__(self, engine_settings: dict[str, Any], log_stats_interval: float) -> None:
+    async def __init__(
+        self, engine_settings: dict[str, Any], served_model_name: str, log_stats_interval: float
+    ) -> None:
+        # Resolved first: the token-count histograms are bucketed up to max_model_len.
+        config = resolve_engine_config(EngineConfig.from_flat(**engine_settings))
+        assert config.model.max_model_len is not None
+        self._prometheus = PrometheusStatLogger(served_model_name, config.model.max_model_len)
         log_stats = LoggingStatLogger()
         # Blocks this replica's event loop until the engine is ready: it has nothing to serve before.
-        self.engine = AsyncLLMEngine.from_config(
-            EngineConfig.from_flat(**engine_settings), stat_loggers=[log_stats]
-        )
+        self.engine = AsyncLLMEngine.from_config(config, stat_loggers=[self._prometheus, log_stats])
         self._log_task: asyncio.Task | None = None
         if log_stats_interval > 0:
             self._log_task = asyncio.create_task(
@@ -66,7 +72,8 @@ class LLMServer:
 
     def get_state(self) -> EngineState:
         errored = self.engine.errored
-        return EngineState(errored=errored, stats=None if errored else self.engine.get_stats())
+        stats = None if errored else self.engine.get_stats()
+        return EngineState(errored=errored, stats=stats, metrics=self._prometheus.render())
 
     def __del__(self) -> None:
         # Serve calls this when it stops the replica: the engine's core process and workers go with it.

@@ -1,0 +1,334 @@
+"""The Ray Serve front door: `raypage serve` (a real subprocess, joined to this module's local Ray
+cluster) with the Ray executor at TP=2, exercised with the official openai client; a killed worker
+actor and the replica Serve puts in its place; the args parser on every Serve config file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+import ray
+import yaml
+from ray.cluster_utils import Cluster
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.cli import main
+from cluster.serve.args import parse_app_args
+from cluster.serve_app import llm_server_options
+from engine import LLM, SamplingParams
+from tests.cluster.remote_server import REPO_ROOT, free_port
+from tests.model.tiny_models import write_tiny_model
+
+MODEL = "served-model"
+API_KEY = "sk-serve-test"
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+MAX_TOKENS = 12
+# A 4-head tiny Llama splits over two TP ranks (SmolLM2's 9 heads do not).
+ENGINE = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 64, "max_num_seqs": 16}
+# Two logical CPUs per extra replica: Serve may start a replacement before the old one is gone.
+CLUSTER_CPUS = 8
+STARTUP_TIMEOUT_S = 300.0
+DEATH_NOTICE_S = 10.0  # how long a killed worker may take to fail the in-flight request
+REPLACEMENT_TIMEOUT_S = 120.0
+
+
+def engine_flags(model: Path) -> list[str]:
+    flags = ["--model", str(model)]
+    for key, value in ENGINE.items():
+        flags += ["--" + key.replace("_", "-"), str(value)]
+    return flags
+
+
+class ServeCommand:
+    """`raypage serve --address ADDRESS ARGS` on a free port, ready (GET /health is 200) once built;
+    its output goes to `log_path`."""
+
+    def __init__(self, address: str, args: list[str], log_path: Path) -> None:
+        self.base_url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = log_path
+        port = self.base_url.rsplit(":", 1)[1]
+        command = [sys.executable, "-m", "cluster.cli", "serve", "--address", address, "--port", port, *args]
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
+        try:
+            wait_for_health(self.base_url, 200, STARTUP_TIMEOUT_S, self.process)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self) -> int:
+        """SIGTERM (the command shuts Serve down), SIGKILL if it lingers; the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def health(base_url: str) -> int | None:
+    try:
+        return httpx.get(base_url + "/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+def wait_for_health(
+    base_url: str, status: int, timeout_s: float, process: subprocess.Popen | None = None
+) -> float:
+    """Seconds until GET /health answers `status`; TimeoutError after `timeout_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the command exited with {process.returncode}")
+        if health(base_url) == status:
+            return time.monotonic() - started
+        time.sleep(0.2)
+    raise TimeoutError(f"/health did not answer {status} within {timeout_s:.0f} s")
+
+
+def processes_titled(prefix: str) -> list[psutil.Process]:
+    """This test's descendants (the cluster's processes among them) whose title starts with `prefix`."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(process.cmdline()).startswith(prefix):
+                found.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def metric(base_url: str, series: str) -> float:
+    """The first sample of /metrics whose line starts with `series` (a name, and the start of its
+    labels if need be); 0 when there is none yet."""
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(series if "{" in series else series + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# ---- the args parser, without a cluster -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path", sorted((REPO_ROOT / "configs" / "serve").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_serve_config_file_validates(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO_ROOT)  # engine files are named relative to the root, where `serve run` runs
+    schema = ServeDeploySchema(**yaml.safe_load(path.read_text()))
+    assert schema.applications
+    for app in schema.applications:
+        assert app.import_path == "cluster.serve_app:build_app"
+        settings = parse_app_args(app.args)
+        assert settings.server.served_model_names
+
+
+def test_app_args_override_the_engine_file_and_name_bad_keys() -> None:
+    engine_file = REPO_ROOT / "configs" / "engine" / "smollm2.yaml"
+    settings = parse_app_args({"config": str(engine_file), "max_model_len": 256, "api_key": "k"})
+    assert settings.engine_config.model.max_model_len == 256  # the args win over the file
+    assert settings.engine_config.cache.kv_cache_memory == 1 << 30  # the file wins over the default
+    assert settings.server.api_key == "k"
+    assert settings.server.served_model_names == ["SmolLM2-135M-Instruct"]
+    with pytest.raises(ValueError, match="'max_num_seq'"):
+        parse_app_args({"max_num_seq": 4})
+    with pytest.raises(ValueError, match="max_num_seqs: Input should be greater than 0"):
+        parse_app_args({"config": str(engine_file), "max_num_seqs": 0})
+    with pytest.raises(ValueError, match="health_check_period_s"):
+        parse_app_args({"health_check_period_s": -1})
+
+
+def test_ray_backend_reserves_one_bundle_per_worker_with_the_replica_in_the_first() -> None:
+    options = llm_server_options(
+        parse_app_args(
+            {"distributed_executor_backend": "ray", "tensor_parallel_size": 2, "llm_server_cpus": 1}
+        )
+    )
+    assert options["placement_group_bundles"] == [{"CPU": 2.0}, {"CPU": 1.0}]
+    assert options["placement_group_strategy"] == "PACK"
+    assert options["ray_actor_options"] == {"num_cpus": 1}
+    assert "placement_group_bundles" not in llm_server_options(parse_app_args({"tensor_parallel_size": 1}))
+
+
+def test_serve_rejects_a_bad_flag_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--health-check-period-s", "0"])
+    assert exited.value.code == 2
+    assert "health_check_period_s: Input should be greater than 0" in capsys.readouterr().err
+
+
+# ---- end to end on a local Ray cluster ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model: Path) -> dict[str, str]:
+    """Greedy texts of the offline engine, in this process with one worker."""
+    llm = LLM(str(tiny_model), distributed_executor_backend="uni", **ENGINE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    try:
+        return {
+            "completion": llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text,
+            "chat": llm.chat(MESSAGES, greedy, use_tqdm=False)[0].outputs[0].text,
+        }
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": CLUSTER_CPUS,
+            "object_store_memory": 100 * 1024 * 1024,
+            "include_dashboard": False,
+        },
+    )
+    ray.init(address=cluster.address)
+    started = psutil.Process().children(recursive=True)
+    yield cluster
+    descendants = started + psutil.Process().children(recursive=True)
+    ray.shutdown()
+    cluster.shutdown()
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    leaked = [(process.pid, " ".join(process.cmdline())[:80]) for process in alive if process.is_running()]
+    for process in alive:
+        process.kill()
+    assert not leaked, f"processes left behind: {leaked}"
+
+
+@pytest.fixture(scope="module")
+def server(
+    cluster: Cluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServeCommand]:
+    flags = [
+        *("--served-model-name", MODEL, "--api-key", API_KEY),
+        *("--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"),
+        # Short health checks, so that a replica whose engine died is replaced within seconds.
+        *("--health-check-period-s", "1", "--health-check-timeout-s", "5"),
+        *engine_flags(tiny_model),
+    ]
+    server = ServeCommand(cluster.address, flags, tmp_path_factory.mktemp("serve") / "serve.log")
+    yield server
+    assert server.stop() == 0, server.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeCommand) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def assert_serves_greedy_texts(client: openai.OpenAI, expected: dict[str, str]) -> None:
+    settings = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    whole = client.completions.create(prompt=PROMPT, **settings)
+    assert whole.choices[0].text == expected["completion"]
+    assert whole.usage.completion_tokens == MAX_TOKENS
+    chunks = client.completions.create(prompt=PROMPT, stream=True, **settings)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected["completion"]
+
+    reply = client.chat.completions.create(messages=MESSAGES, **settings)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected["chat"]
+    chunks = client.chat.completions.create(messages=MESSAGES, stream=True, **settings)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["chat"]
+
+
+@pytest.mark.slow
+def test_completions_and_chat_match_the_offline_engine(
+    server: ServeCommand, client: openai.OpenAI, expected: dict[str, str]
+) -> None:
+    assert_serves_greedy_texts(client, expected)
+    assert [model.id for model in client.models.list()] == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+@pytest.mark.slow
+def test_workers_run_in_the_replicas_placement_group(server: ServeCommand) -> None:
+    groups = [group for group in ray.util.placement_group_table().values() if group["state"] == "CREATED"]
+    assert len(groups) == 1, "the executor must use the replica's group, not reserve its own"
+    assert list(groups[0]["bundles"].values()) == [{"CPU": 2.0}, {"CPU": 1.0}]
+    assert len(processes_titled("ray::RayWorker")) == 2
+
+
+@pytest.mark.slow
+def test_a_closed_stream_aborts_its_request(server: ServeCommand, client: openai.OpenAI) -> None:
+    aborted = 'raypage:request_success_total{finished_reason="abort"'
+    aborted_before = metric(server.base_url, aborted)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=480, temperature=0.0, stream=True
+    )
+    chunks = iter(stream)
+    next(chunks), next(chunks)  # generating now
+    stream.close()
+    # The ingress polls the replica's metrics every second.
+    deadline = time.monotonic() + 10
+    while metric(server.base_url, aborted) == aborted_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(server.base_url, aborted) == aborted_before + 1
+    assert metric(server.base_url, "raypage:num_requests_running") == 0
+    assert metric(server.base_url, "raypage:kv_cache_usage_perc") == 0
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_the_request_and_serve_replaces_the_replica(
+    server: ServeCommand, client: openai.OpenAI, expected: dict[str, str]
+) -> None:
+    workers = processes_titled("ray::RayWorker")
+    replicas = processes_titled("ray::ServeReplica:raypage:LLMServer")
+    assert len(workers) == 2 and len(replicas) == 1
+    stream = iter(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=480, temperature=0.0, stream=True)
+    )
+    next(stream)  # generating now
+    killed_at = time.monotonic()
+    workers[1].kill()
+    with pytest.raises(
+        openai.APIError, match=r"The engine is not running: .*Ray worker rank \d \(node \w+\) died"
+    ):
+        for _ in stream:
+            pass
+    assert time.monotonic() - killed_at < DEATH_NOTICE_S
+    # /health says so until Serve has replaced the replica (after three failed checks a second apart).
+    assert wait_for_health(server.base_url, 503, DEATH_NOTICE_S) < DEATH_NOTICE_S
+    wait_for_health(server.base_url, 200, REPLACEMENT_TIMEOUT_S)
+
+    assert_serves_greedy_texts(client, expected)
+    assert all(gone(process) for process in workers + replicas)
+    new_workers = processes_titled("ray::RayWorker")
+    assert len(new_workers) == 2 and not {p.pid for p in new_workers} & {p.pid for p in workers}
+    assert len(processes_titled("ray::ServeReplica:raypage:LLMServer")) == 1
