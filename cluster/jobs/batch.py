@@ -1,0 +1,185 @@
+"""Offline batch inference, meant to run as a Ray job: JSONL prompts in, JSONL results out.
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        python -m cluster.jobs.batch --config configs/engine/smollm2.yaml \\
+        --input /data/prompts.jsonl --output /data/results.jsonl [engine flags]
+
+Input lines: see `cluster.jobs.batch_lines`. Output lines, in input order: id (the line's own, else
+its line number), text, finish_reason, prompt_tokens, completion_tokens. A line that cannot run is
+logged with its number and the reason, and skipped. Every valid line is queued at once, so the
+scheduler batches them continuously. Relative paths resolve against the job's working directory,
+which under `ray job submit` is Ray's unpacked copy of --working-dir: give absolute paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from cluster.engine_args import add_engine_args, engine_settings_from_args
+from cluster.jobs.batch_lines import BatchLine, parse_batch_line
+from engine.config import EngineConfig
+from engine.input_processor import PromptType
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind
+
+# Under `python -m` this module's __name__ is "__main__"; log under its real name.
+logger = logging.getLogger("cluster.jobs.batch")
+
+
+class SkippedLines:
+    """The numbers of the input lines that could not run; each is logged when it is skipped."""
+
+    def __init__(self) -> None:
+        self.numbers: list[int] = []
+
+    def skip(self, number: int, reason: str) -> None:
+        logger.warning("line %d skipped: %s", number, reason)
+        self.numbers.append(number)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.jobs.batch",
+        description="Generate a completion for every line of a JSONL file, with one engine.",
+    )
+    parser.add_argument(
+        "--input", required=True, type=Path, help='JSONL: {"id"?, "prompt" | "messages", sampling fields?}'
+    )
+    parser.add_argument("--output", required=True, type=Path, help="JSONL results, one per valid input line")
+    parser.add_argument(
+        "--progress-interval", type=float, default=10.0, help="seconds between progress logs (default: 10)"
+    )
+    add_engine_args(parser)
+    return parser
+
+
+def parse_input(text: str, skipped: SkippedLines) -> list[BatchLine]:
+    """The valid lines of a JSONL text; the others go to `skipped`. Line numbers start at 1."""
+    rows = text.split("\n")  # not splitlines(): JSON strings may hold a raw U+2028
+    if rows[-1] == "":  # the file's final newline ends a line, it does not start one
+        rows.pop()
+    lines = []
+    for number, row in enumerate(rows, start=1):
+        try:
+            lines.append(parse_batch_line(number, row))
+        except ValueError as exc:
+            skipped.skip(number, str(exc))
+    return lines
+
+
+def engine_prompt(line: BatchLine, tokenizer: PreTrainedTokenizerBase) -> PromptType:
+    """What the engine generates from: the prompt, or the messages in the model's chat template."""
+    if line.prompt is not None:
+        return line.prompt
+    text = tokenizer.apply_chat_template(line.messages, tokenize=False, add_generation_prompt=True)
+    # The template already wrote the special tokens; tokenizing must not add them twice.
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+
+def run_lines(
+    engine: LLMEngine, lines: list[BatchLine], skipped: SkippedLines, progress_interval: float
+) -> list[dict[str, Any]]:
+    """Queue every line the engine accepts, step until all finish, and return their results in order."""
+    queued: dict[str, BatchLine] = {}
+    for line in lines:
+        # Only the final output is wanted, so the front end need not build the ones before it.
+        params = msgspec.structs.replace(line.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
+        try:
+            engine.add_request(str(line.number), engine_prompt(line, engine.tokenizer), params)
+        except (
+            ValueError,
+            TemplateError,
+        ) as exc:  # too long a prompt, a token id outside the vocabulary, ...
+            skipped.skip(line.number, str(exc))
+            continue
+        queued[str(line.number)] = line
+    logger.info("running %d lines (%d skipped)", len(queued), len(skipped.numbers))
+    finished: dict[str, RequestOutput] = {}
+    last_report = time.monotonic()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if time.monotonic() - last_report >= progress_interval:
+            logger.info("progress: %d/%d lines done", len(finished), len(queued))
+            last_report = time.monotonic()
+    results = []
+    for request_id, line in queued.items():
+        output = finished[request_id]
+        if output.error:  # the scheduler gave up on it, e.g. a prompt larger than the whole KV cache
+            skipped.skip(line.number, f"the engine could not run it: {output.error}")
+        else:
+            results.append(result_record(line, output))
+    return results
+
+
+def result_record(line: BatchLine, output: RequestOutput) -> dict[str, Any]:
+    completion = output.outputs[0]
+    return {
+        "id": line.id,
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "prompt_tokens": len(output.prompt_token_ids),
+        "completion_tokens": len(completion.token_ids),
+    }
+
+
+def write_results(path: Path, results: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as file:
+        for record in results:
+            file.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the batch; 0 when at least one line ran, 1 when none could or the input is unreadable."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = engine_settings_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with status 2 before any weights are loaded
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        text = args.input.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        logger.error("cannot read the input file %s: %s", args.input.resolve(), exc)
+        return 1
+    skipped = SkippedLines()
+    lines = parse_input(text, skipped)
+    results = []
+    if lines:
+        engine = LLMEngine(EngineConfig.from_flat(**settings))
+        try:
+            results = run_lines(engine, lines, skipped, args.progress_interval)
+        finally:
+            engine.shutdown()
+        write_results(args.output, results)
+    numbers = ", ".join(map(str, sorted(skipped.numbers)))
+    logger.info(
+        "%d lines done, %d skipped%s",
+        len(results),
+        len(skipped.numbers),
+        f": lines {numbers}" if numbers else "",
+    )
+    if not results:
+        logger.error("no line of %s could run", args.input.resolve())
+        return 1
+    logger.info("results written to %s", args.output.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
