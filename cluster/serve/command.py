@@ -46,6 +46,12 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--num-replicas", type=int, default=1, help="LLMServer replicas (default: 1)")
     group.add_argument(
+        "--llm-server-cpus",
+        type=float,
+        default=1.0,
+        help="CPUs each LLMServer replica reserves, which Ray gives its engine as threads (default: 1)",
+    )
+    group.add_argument(
         "--health-check-period-s",
         type=float,
         default=10.0,
@@ -71,6 +77,7 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "log_stats_interval": args.log_stats_interval,
         "enable_access_log": not args.disable_access_log,
         "num_replicas": args.num_replicas,
+        "llm_server_cpus": args.llm_server_cpus,
         "health_check_period_s": args.health_check_period_s,
         "health_check_timeout_s": args.health_check_timeout_s,
     }
