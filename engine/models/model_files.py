@@ -148,6 +148,8 @@ def check_parallel_layout(config: EngineConfig, arch: ArchConfig, device: str) -
     if pp > arch.num_layers:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {arch.num_layers} layers")
     partition_layers(arch.num_layers, pp, parallel.pipeline_partition)
+    if parallel.executor_backend == "ray":
+        return  # workers may span nodes: the placement group's timeout names what the cluster lacks
     if device == "cuda":
         slots, what = torch.cuda.device_count(), "CUDA devices"
     else:

@@ -16,8 +16,9 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from engine.exceptions import EngineDeadError
+from engine.models.model_files import resolve_engine_config
 from tests.model.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.slow  # every engine here starts worker processes
@@ -135,6 +136,11 @@ def test_layout_errors_say_what_would_work():
         LLM(pipeline_parallel_size=2, pipeline_partition=[10, 10, 10], num_kv_blocks=16)
     with pytest.raises(ValueError, match="workers, but this machine has"):
         LLM(tensor_parallel_size=9, pipeline_parallel_size=30, num_kv_blocks=16)
+    # Ray workers may span nodes: the cluster, not this machine, decides whether they fit.
+    spread = EngineConfig.from_flat(
+        tensor_parallel_size=9, pipeline_parallel_size=30, distributed_executor_backend="ray"
+    )
+    assert resolve_engine_config(spread).parallel.world_size == 270
 
 
 def test_killed_tensor_parallel_worker_fails_generation(tiny_model):
