@@ -21,7 +21,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """The application from the Serve config's (or the command line's) args; ValueError on a bad one."""
     settings = parse_app_args(args)
     llm_server = LLMServer.options(**llm_server_options(settings)).bind(
-        settings.engine_settings, settings.server.served_model_names[0], settings.server.log_stats_interval
+        settings.engine_settings,
+        settings.server.served_model_names[0],
+        settings.server.log_stats_interval,
+        settings.options.stream_batch_interval_ms / 1000,
     )
     return OpenAIIngress.options(**ingress_options(settings)).bind(
         llm_server, settings.engine_settings, settings.server

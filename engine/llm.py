@@ -16,6 +16,7 @@ from engine.input_processor import PromptType
 from engine.llm_engine import LLMEngine
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from engine.tokenizer import render_chat_prompt
 
 ChatMessages = list[dict[str, Any]]
 
@@ -69,17 +70,10 @@ class LLM:
         """Generate replies to conversations, rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-            )
-            # The template already wrote the special tokens; tokenizing must not add them twice.
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = [
+            render_chat_prompt(tokenizer, list(conversation), add_generation_prompt, chat_template)
+            for conversation in conversations
+        ]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def beam_search(

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -55,3 +56,17 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> PreTrai
     if source.format == "gguf":
         return _load_gguf_tokenizer(source.path)
     return AutoTokenizer.from_pretrained(source.path)
+
+
+def render_chat_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> dict[str, Any]:
+    """A conversation in the model's chat template, as a prompt with its text and token ids."""
+    text = tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+    )
+    # The template already wrote the special tokens; tokenizing must not add them twice.
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}

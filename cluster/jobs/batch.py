@@ -33,6 +33,7 @@ from engine.input_processor import PromptType
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
+from engine.tokenizer import render_chat_prompt
 
 # Under `python -m` this module's __name__ is "__main__"; log under its real name.
 logger = logging.getLogger("cluster.jobs.batch")
@@ -83,9 +84,7 @@ def engine_prompt(line: BatchLine, tokenizer: PreTrainedTokenizerBase) -> Prompt
     """What the engine generates from: the prompt, or the messages in the model's chat template."""
     if line.prompt is not None:
         return line.prompt
-    text = tokenizer.apply_chat_template(line.messages, tokenize=False, add_generation_prompt=True)
-    # The template already wrote the special tokens; tokenizing must not add them twice.
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+    return render_chat_prompt(tokenizer, line.messages)
 
 
 def run_lines(
@@ -98,10 +97,8 @@ def run_lines(
         params = msgspec.structs.replace(line.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
         try:
             engine.add_request(str(line.number), engine_prompt(line, engine.tokenizer), params)
-        except (
-            ValueError,
-            TemplateError,
-        ) as exc:  # too long a prompt, a token id outside the vocabulary, ...
+        # Too long a prompt, a token id outside the vocabulary, a template the messages break, ...
+        except (ValueError, TemplateError) as exc:
             skipped.skip(line.number, str(exc))
             continue
         queued[str(line.number)] = line

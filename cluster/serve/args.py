@@ -53,6 +53,12 @@ class ServeOptions(BaseModel):
         "bundle of its placement group, beside worker rank 0's)",
     )
     ingress_cpus: float = Field(1.0, ge=0, description="CPUs of each OpenAI ingress replica")
+    stream_batch_interval_ms: float = Field(
+        50.0,
+        ge=0,
+        description="A request's outputs produced within this window cross from the LLMServer to the "
+        "ingress as one message (the first output at once); 0 sends each on its own",
+    )
     health_check_period_s: float = Field(
         10.0, gt=0, description="Seconds between Serve's health checks of an LLMServer replica"
     )

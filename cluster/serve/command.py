@@ -48,8 +48,15 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--llm-server-cpus",
         type=float,
-        default=1.0,
-        help="CPUs each LLMServer replica reserves, which Ray gives its engine as threads (default: 1)",
+        help="CPUs each LLMServer replica reserves, which Ray gives its engine as threads (default: the "
+        "machine's cores on a local cluster, as `raypage api-server` uses them; 1 on a joined one)",
+    )
+    group.add_argument(
+        "--stream-batch-interval-ms",
+        type=float,
+        default=50.0,
+        help="a request's outputs produced within this window cross to the ingress as one message; "
+        "0 sends each on its own (default: 50)",
     )
     group.add_argument(
         "--health-check-period-s",
@@ -77,7 +84,8 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "log_stats_interval": args.log_stats_interval,
         "enable_access_log": not args.disable_access_log,
         "num_replicas": args.num_replicas,
-        "llm_server_cpus": args.llm_server_cpus,
+        "llm_server_cpus": args.llm_server_cpus or (1.0 if args.address else float(os.cpu_count() or 1)),
+        "stream_batch_interval_ms": args.stream_batch_interval_ms,
         "health_check_period_s": args.health_check_period_s,
         "health_check_timeout_s": args.health_check_timeout_s,
     }

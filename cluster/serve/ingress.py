@@ -60,9 +60,10 @@ class DeploymentEngineClient:
         )
         finished = False
         try:
-            async for output in stream:
-                finished = output.finished
-                yield output
+            async for batch in stream:
+                for output in batch:
+                    finished = output.finished
+                    yield output
         except Exception as exc:
             raise engine_error(exc) from None
         finally:

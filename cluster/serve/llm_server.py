@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any, TypedDict
 
@@ -39,8 +40,13 @@ class LLMServer:
     group (worker rank i in bundle i), which `build_app` asks Serve to reserve for the replica."""
 
     async def __init__(
-        self, engine_settings: dict[str, Any], served_model_name: str, log_stats_interval: float
+        self,
+        engine_settings: dict[str, Any],
+        served_model_name: str,
+        log_stats_interval: float,
+        stream_batch_interval_s: float = 0.0,
     ) -> None:
+        self._stream_batch_interval_s = stream_batch_interval_s
         # Resolved first: the token-count histograms are bucketed up to max_model_len.
         config = resolve_engine_config(EngineConfig.from_flat(**engine_settings))
         assert config.model.max_model_len is not None
@@ -56,15 +62,25 @@ class LLMServer:
 
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs. When the caller stops listening (a closed stream, a cancelled
-        request, a client disconnect) Serve cancels this generator, which aborts the request."""
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """The request's outputs, in batches: the first alone, then those produced within each
+        stream-batch interval together, so that a streamed token is not one Ray message of its own
+        per hop (each costs CPU that the forward pass needs). When the caller stops listening (a
+        closed stream, a cancelled request, a client disconnect) Serve cancels this generator, which
+        aborts the request."""
+        batch: list[RequestOutput] = []
+        flush_at = 0.0  # the first output goes out at once
         # aclosing: the engine's stream is closed (and the request aborted) at once, not at collection.
         async with contextlib.aclosing(
             self.engine.generate(prompt, sampling_params, request_id, priority)
         ) as outputs:
             async for output in outputs:
-                yield output
+                batch.append(output)
+                now = time.monotonic()
+                if output.finished or now >= flush_at:
+                    yield batch
+                    batch = []
+                    flush_at = now + self._stream_batch_interval_s
 
     async def check_health(self) -> None:
         """Serve's health-check hook: raises EngineDeadError once the engine cannot serve."""

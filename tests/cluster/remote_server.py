@@ -1,4 +1,5 @@
-"""A real `raypage api-server` subprocess for tests: a free port, its log in a file, stopped by pid."""
+"""A real `raypage api-server` (or `raypage serve`) subprocess for tests: a free port, its log in a
+file, stopped by pid."""
 
 from __future__ import annotations
 
@@ -25,19 +26,23 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """`raypage api-server ARGS` on 127.0.0.1, ready (GET /health is 200) once constructed.
+    """`raypage COMMAND ARGS` (api-server or serve) on 127.0.0.1, ready (GET /health is 200) once
+    constructed.
 
     Its output goes to `log_path`, not a pipe, which a chatty server would fill and block on.
     """
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(
+        self, args: list[str], log_path: Path, command: str = "api-server", stop_timeout_s: float = 30.0
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "cluster.cli", "api-server", "--port", str(self.port), *args]
+        self.stop_timeout_s = stop_timeout_s
+        command_line = [sys.executable, "-m", "cluster.cli", command, "--port", str(self.port), *args]
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
-                command,
+                command_line,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO_ROOT,
@@ -85,12 +90,13 @@ class RemoteServer:
                 return float(value)
         return 0.0
 
-    def stop(self) -> None:
-        """SIGTERM (the server shuts its engine down), SIGKILL if it lingers."""
+    def stop(self) -> int:
+        """SIGTERM (the server shuts its engine down), SIGKILL if it lingers; the exit status."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        return self.process.returncode

@@ -4,10 +4,6 @@ actor and the replica Serve puts in its place; the args parser on every Serve co
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +21,7 @@ from cluster.cli import main
 from cluster.serve.args import parse_app_args
 from cluster.serve_app import llm_server_options
 from engine import LLM, SamplingParams
-from tests.cluster.remote_server import REPO_ROOT, free_port
+from tests.cluster.remote_server import REPO_ROOT, RemoteServer
 from tests.model.tiny_models import write_tiny_model
 
 MODEL = "served-model"
@@ -37,7 +33,6 @@ MAX_TOKENS = 12
 ENGINE = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 64, "max_num_seqs": 16}
 # Two logical CPUs per extra replica: Serve may start a replacement before the old one is gone.
 CLUSTER_CPUS = 8
-STARTUP_TIMEOUT_S = 300.0
 DEATH_NOTICE_S = 10.0  # how long a killed worker may take to fail the in-flight request
 REPLACEMENT_TIMEOUT_S = 120.0
 
@@ -49,44 +44,6 @@ def engine_flags(model: Path) -> list[str]:
     return flags
 
 
-class ServeCommand:
-    """`raypage serve --address ADDRESS ARGS` on a free port, ready (GET /health is 200) once built;
-    its output goes to `log_path`."""
-
-    def __init__(self, address: str, args: list[str], log_path: Path) -> None:
-        self.base_url = f"http://127.0.0.1:{free_port()}"
-        self.log_path = log_path
-        port = self.base_url.rsplit(":", 1)[1]
-        command = [sys.executable, "-m", "cluster.cli", "serve", "--address", address, "--port", port, *args]
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO_ROOT,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            )
-        try:
-            wait_for_health(self.base_url, 200, STARTUP_TIMEOUT_S, self.process)
-        except BaseException:
-            self.stop()
-            raise
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def stop(self) -> int:
-        """SIGTERM (the command shuts Serve down), SIGKILL if it lingers; the exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
 def health(base_url: str) -> int | None:
     try:
         return httpx.get(base_url + "/health", timeout=5).status_code
@@ -94,14 +51,10 @@ def health(base_url: str) -> int | None:
         return None
 
 
-def wait_for_health(
-    base_url: str, status: int, timeout_s: float, process: subprocess.Popen | None = None
-) -> float:
+def wait_for_health(base_url: str, status: int, timeout_s: float) -> float:
     """Seconds until GET /health answers `status`; TimeoutError after `timeout_s`."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the command exited with {process.returncode}")
         if health(base_url) == status:
             return time.monotonic() - started
         time.sleep(0.2)
@@ -234,7 +187,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture(scope="module")
 def server(
     cluster: Cluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServeCommand]:
+) -> Iterator[RemoteServer]:
     flags = [
         *("--served-model-name", MODEL, "--api-key", API_KEY),
         *("--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"),
@@ -242,13 +195,18 @@ def server(
         *("--health-check-period-s", "1", "--health-check-timeout-s", "5"),
         *engine_flags(tiny_model),
     ]
-    server = ServeCommand(cluster.address, flags, tmp_path_factory.mktemp("serve") / "serve.log")
+    server = RemoteServer(
+        ["--address", cluster.address, *flags],
+        tmp_path_factory.mktemp("serve") / "serve.log",
+        command="serve",
+        stop_timeout_s=60,
+    )
     yield server
     assert server.stop() == 0, server.log_tail()
 
 
 @pytest.fixture(scope="module")
-def client(server: ServeCommand) -> openai.OpenAI:
+def client(server: RemoteServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
@@ -269,7 +227,7 @@ def assert_serves_greedy_texts(client: openai.OpenAI, expected: dict[str, str]) 
 
 @pytest.mark.slow
 def test_completions_and_chat_match_the_offline_engine(
-    server: ServeCommand, client: openai.OpenAI, expected: dict[str, str]
+    server: RemoteServer, client: openai.OpenAI, expected: dict[str, str]
 ) -> None:
     assert_serves_greedy_texts(client, expected)
     assert [model.id for model in client.models.list()] == [MODEL]
@@ -278,7 +236,7 @@ def test_completions_and_chat_match_the_offline_engine(
 
 
 @pytest.mark.slow
-def test_workers_run_in_the_replicas_placement_group(server: ServeCommand) -> None:
+def test_workers_run_in_the_replicas_placement_group(server: RemoteServer) -> None:
     groups = [group for group in ray.util.placement_group_table().values() if group["state"] == "CREATED"]
     assert len(groups) == 1, "the executor must use the replica's group, not reserve its own"
     assert list(groups[0]["bundles"].values()) == [{"CPU": 2.0}, {"CPU": 1.0}]
@@ -286,7 +244,7 @@ def test_workers_run_in_the_replicas_placement_group(server: ServeCommand) -> No
 
 
 @pytest.mark.slow
-def test_a_closed_stream_aborts_its_request(server: ServeCommand, client: openai.OpenAI) -> None:
+def test_a_closed_stream_aborts_its_request(server: RemoteServer, client: openai.OpenAI) -> None:
     aborted = 'raypage:request_success_total{finished_reason="abort"'
     aborted_before = metric(server.base_url, aborted)
     stream = client.completions.create(
@@ -306,7 +264,7 @@ def test_a_closed_stream_aborts_its_request(server: ServeCommand, client: openai
 
 @pytest.mark.slow
 def test_killed_worker_fails_the_request_and_serve_replaces_the_replica(
-    server: ServeCommand, client: openai.OpenAI, expected: dict[str, str]
+    server: RemoteServer, client: openai.OpenAI, expected: dict[str, str]
 ) -> None:
     workers = processes_titled("ray::RayWorker")
     replicas = processes_titled("ray::ServeReplica:raypage:LLMServer")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from engine.executor.multiproc import MultiprocExecutor
 from engine.executor.ray_distributed import RayDistributedExecutor
 from engine.executor.uniproc import UniProcExecutor
 from engine.models.model_files import resolve_engine_config
-from engine.outputs import EngineCoreRequest
+from tests.distributed.background_steps import BackgroundSteps
 from tests.model.tiny_models import write_tiny_model
 
 SETTINGS = {"dtype": "float32", "num_kv_blocks": 64}
@@ -104,23 +103,10 @@ def test_killed_worker_fails_the_in_flight_step(tiny_model: Path):
     core = EngineCore(_config(tiny_model, tensor_parallel_size=2), MultiprocExecutor)
     executor = core.executor
     pids = executor.worker_pids
-    params = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
-    for index in range(4):
-        core.add_request(EngineCoreRequest(f"r{index}", [1, 2, 3, 4 + index], params, None, time.time()))
-    stepping, errors = threading.Event(), []
-
-    def generate() -> None:
-        try:
-            while core.has_unfinished_requests():
-                core.step()
-                stepping.set()
-        except Exception as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=generate, daemon=True)
-    thread.start()
+    steps = BackgroundSteps(core)
+    thread, errors = steps.thread, steps.errors
     try:
-        assert stepping.wait(60), "generation did not start"
+        assert steps.stepping.wait(60), "generation did not start"
         # Rank 0 is then left waiting in an all-reduce for rank 1, which never comes.
         os.kill(pids[1], signal.SIGKILL)
         thread.join(DEATH_NOTICE_S)

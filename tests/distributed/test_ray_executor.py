@@ -25,7 +25,7 @@ from engine.core import EngineCore
 from engine.exceptions import EngineDeadError
 from engine.executor.ray_distributed import RayDistributedExecutor
 from engine.models.model_files import resolve_engine_config
-from engine.outputs import EngineCoreRequest
+from tests.distributed.background_steps import BackgroundSteps
 from tests.model.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -169,23 +169,10 @@ def test_removed_node_fails_the_in_flight_step(cluster, tiny_model):
     )
     executor = core.executor
     assert len(set(executor.worker_nodes)) == 2
-    params = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
-    for index in range(4):
-        core.add_request(EngineCoreRequest(f"r{index}", [1, 2, 3, 4 + index], params, None, time.time()))
-    stepping, errors = threading.Event(), []
-
-    def generate() -> None:
-        try:
-            while core.has_unfinished_requests():
-                core.step()
-                stepping.set()
-        except Exception as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=generate, daemon=True)
-    thread.start()
+    steps = BackgroundSteps(core)
+    thread, errors = steps.thread, steps.errors
     try:
-        assert stepping.wait(60), "generation did not start"
+        assert steps.stepping.wait(60), "generation did not start"
         doomed = next(node for node in cluster.worker_nodes if node.node_id == executor.worker_nodes[1])
         removed_at = time.monotonic()
         cluster.remove_node(doomed, allow_graceful=False)
