@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
-from cluster.openai.app import ServerSettings, build_app
+from cluster.openai.app import ServerSettings, build_app, served_model_names
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.models.model_files import PACKAGED_GGUF, resolve_engine_config
+from engine.models.model_files import resolve_engine_config
 
 API_KEY_ENV = "RAYPAGE_API_KEY"
 # Seconds that in-flight requests get to finish after SIGTERM or Ctrl-C.
@@ -59,9 +58,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     model = getattr(args, "model", None)
-    default_name = model if model else Path(PACKAGED_GGUF).name.split(".")[0]
     return ServerSettings(
-        served_model_names=args.served_model_name or [default_name],
+        served_model_names=served_model_names(args.served_model_name, model),
         api_key=args.api_key or None,
         max_request_body_bytes=args.max_request_body_bytes,
         log_stats_interval=args.log_stats_interval,

@@ -12,6 +12,8 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -35,6 +37,7 @@ from cluster.openai.protocol import (
 from cluster.openai.serving_chat import OpenAIServingChat
 from cluster.openai.serving_completion import OpenAIServingCompletion
 from cluster.openai.serving_tokenize import OpenAIServingTokenization
+from engine.models.model_files import PACKAGED_GGUF
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,15 @@ class ServerSettings:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
 
 
+def served_model_names(requested: str | list[str] | None, model: str | None) -> list[str]:
+    """The names a client may use: as asked, else the model path, else the packaged model's name."""
+    if isinstance(requested, str):
+        return [requested]
+    if requested:
+        return list(requested)
+    return [model if model else Path(PACKAGED_GGUF).name.split(".")[0]]
+
+
 def _package_version() -> str:
     try:
         return version("raypage")
@@ -65,10 +77,18 @@ def _package_version() -> str:
         return "unknown"
 
 
+class MetricsSource(Protocol):
+    """What /metrics renders: `PrometheusStatLogger`, or the Serve ingress's view of a replica's."""
+
+    def update_scheduler_stats(self, stats: dict[str, Any]) -> None: ...
+
+    def render(self) -> bytes: ...
+
+
 def build_app(
     engine: EngineClient,
     settings: ServerSettings,
-    prometheus: PrometheusStatLogger | None = None,
+    prometheus: MetricsSource | None = None,
     log_stats: LoggingStatLogger | None = None,
 ) -> FastAPI:
     """The app serving `engine` under `settings.served_model_names`.
@@ -86,7 +106,7 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = None
         if log_stats is not None and settings.log_stats_interval > 0:
-            task = asyncio.create_task(_log_periodically(engine, log_stats, settings.log_stats_interval))
+            task = asyncio.create_task(log_stats_periodically(engine, log_stats, settings.log_stats_interval))
         yield
         if task is not None:
             task.cancel()
@@ -149,7 +169,8 @@ def _warn_ignored(body: OpenAIBaseModel) -> None:
         logger.warning("ignoring fields this server does not support: %s", ", ".join(ignored))
 
 
-async def _log_periodically(engine: EngineClient, log_stats: LoggingStatLogger, interval: float) -> None:
+async def log_stats_periodically(engine: EngineClient, log_stats: LoggingStatLogger, interval: float) -> None:
+    """Log the engine's throughput and load every `interval` seconds, until cancelled."""
     while True:
         await asyncio.sleep(interval)
         log_stats.log(None if engine.errored else engine.get_stats())

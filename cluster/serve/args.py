@@ -16,9 +16,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cluster.openai.app import ServerSettings
+from cluster.openai.app import ServerSettings, served_model_names
 from engine.config import EngineConfig, load_yaml_mapping
-from engine.models.model_files import PACKAGED_GGUF
 
 ENGINE_FILE_KEY = "config"
 
@@ -109,15 +108,6 @@ def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
         log_stats_interval=options.log_stats_interval,
     )
     return ServeAppSettings(engine_settings, engine_config, server, options)
-
-
-def served_model_names(requested: str | list[str] | None, model: str | None) -> list[str]:
-    """The names a client may use: as asked, else the model path, else the packaged model's name."""
-    if isinstance(requested, str):
-        return [requested]
-    if requested:
-        return list(requested)
-    return [model if model else Path(PACKAGED_GGUF).name.split(".")[0]]
 
 
 def _read_engine_file(path: str) -> dict[str, Any]:

@@ -140,7 +140,7 @@ class OpenAIIngress:
         # Serve calls this on the replica's event loop once the constructor has run.
         self._poll_task = asyncio.create_task(self._client.poll_state(STATE_POLL_INTERVAL_S))
         metrics = ReplicaMetrics(self._client)
-        return build_app(self._client, self._settings, prometheus=metrics)  # type: ignore[arg-type]
+        return build_app(self._client, self._settings, prometheus=metrics)
 
     def __del__(self) -> None:
         # A replica whose constructor failed has no poll task.

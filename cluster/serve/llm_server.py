@@ -17,7 +17,7 @@ from typing import Any, TypedDict
 from ray import serve
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
-from cluster.openai.app import _log_periodically
+from cluster.openai.app import log_stats_periodically
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.input_processor import PromptType
@@ -57,7 +57,7 @@ class LLMServer:
         self._log_task: asyncio.Task | None = None
         if log_stats_interval > 0:
             self._log_task = asyncio.create_task(
-                _log_periodically(self.engine, log_stats, log_stats_interval)
+                log_stats_periodically(self.engine, log_stats, log_stats_interval)
             )
 
     async def generate(
