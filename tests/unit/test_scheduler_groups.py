@@ -13,8 +13,8 @@ import pytest
 
 from engine.outputs import FinishReason
 from engine.request import RequestStatus
+from tests.unit.reference_beam_search import reference_beam_search, reference_sequence
 from tests.unit.scheduler_helpers import (
-    FakeWorker,
     assert_all_free,
     check_invariants,
     collect,
@@ -22,18 +22,15 @@ from tests.unit.scheduler_helpers import (
     indexed_token_fn,
     make_beam_request,
     make_request,
-    make_scheduler,
-    reference_beam_search,
-    reference_sequence,
     run_until_done,
+    scheduler_and_worker,
     step,
     swapped_blocks,
 )
 
 
 def setup(**kwargs):
-    scheduler = make_scheduler(**kwargs)
-    return scheduler, FakeWorker(scheduler.block_size, indexed_token_fn, scheduler)
+    return scheduler_and_worker(indexed_token_fn, **kwargs)
 
 
 def by_key(outputs):

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
+from tests.unit.reference_beam_search import reference_beam_search, reference_sequence
 from tests.unit.scheduler_helpers import (
     FakeWorker,
     assert_all_free,
@@ -28,8 +29,6 @@ from tests.unit.scheduler_helpers import (
     make_request,
     make_scheduler,
     output_key,
-    reference_beam_search,
-    reference_sequence,
     seq_index,
     swapped_blocks,
 )
