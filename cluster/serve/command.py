@@ -21,14 +21,13 @@ import ray
 from ray import serve
 
 from cluster.openai.api_server import add_server_args
+from cluster.placement import LOCAL_OBJECT_STORE_BYTES
 from cluster.serve.args import parse_app_args
 from cluster.serve_app import build_app, required_cpus
 
 logger = logging.getLogger(__name__)
 
 APP_NAME = "raypage"
-# The engine ships only scheduler messages and sampled tokens through the object store.
-LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024
 
 
 def add_parser_args(parser: argparse.ArgumentParser) -> None:

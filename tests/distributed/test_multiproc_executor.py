@@ -19,6 +19,7 @@ from engine.executor.ray_distributed import RayDistributedExecutor
 from engine.executor.uniproc import UniProcExecutor
 from engine.models.model_files import resolve_engine_config
 from tests.distributed.background_steps import BackgroundSteps
+from tests.engine_proc.helpers import process_exists
 from tests.model.tiny_models import write_tiny_model
 
 SETTINGS = {"dtype": "float32", "num_kv_blocks": 64}
@@ -31,15 +32,6 @@ def _config(model: Path | None = None, **settings: object) -> EngineConfig:
     return resolve_engine_config(
         EngineConfig.from_flat(model=None if model is None else str(model), **SETTINGS, **settings)
     )
-
-
-def _gone(pid: int) -> bool:
-    """Whether no process has this id (a dead worker that was not reaped would still have one)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -119,21 +111,21 @@ def test_killed_worker_fails_the_in_flight_step(tiny_model: Path):
             executor.collective_rpc("process_info")
         # The monitor stops the surviving worker without waiting for shutdown.
         deadline = time.monotonic() + DEATH_NOTICE_S
-        while not _gone(pids[0]) and time.monotonic() < deadline:
+        while process_exists(pids[0]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(pids[0])
+        assert not process_exists(pids[0])
     finally:
         core.shutdown()
     core.shutdown()  # harmless the second time
-    assert all(_gone(pid) for pid in pids)
+    assert all(not process_exists(pid) for pid in pids)
 
 
 def test_shutdown_stops_every_worker_and_is_idempotent(tiny_model: Path):
     executor = MultiprocExecutor(_config(tiny_model))
     pid = executor.worker_pids[0]
-    assert not _gone(pid)
+    assert process_exists(pid)
     executor.shutdown()
-    assert _gone(pid)
+    assert not process_exists(pid)
     executor.shutdown()
     with pytest.raises(EngineDeadError, match="shut down"):
         executor.collective_rpc("process_info")
