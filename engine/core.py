@@ -10,6 +10,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.executor.base import Executor
 from engine.outputs import (
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
@@ -64,25 +65,28 @@ class EngineCore:
 
         With pipeline stages, up to pipeline_parallel_size steps are in flight at once (the batch
         queue), so that every stage has work: a call then returns the outputs of the oldest step
-        once it is done, or none while it only filled the pipeline.
+        once it is done, or none while it only filled the pipeline. Requests that scheduling
+        finished without running them (ignored, or never fitting) are reported by the call that
+        scheduled them, first.
         """
-        outputs: list = []
+        finished_outputs: list[EngineCoreOutput] = []
         if len(self.batch_queue) < self.max_batches_in_flight and self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduled = self.scheduler.schedule()
+            finished_outputs = scheduled.finished_outputs
+            scheduler_output = scheduled.scheduler_output
             if _has_work(scheduler_output):
                 self.batch_queue.append(
                     (scheduler_output, self.executor.execute_model_async(scheduler_output))
                 )
                 if len(self.batch_queue) < self.max_batches_in_flight:
-                    return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
-            else:  # everything schedulable is in flight; still report requests finished while scheduling
-                empty = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
-                outputs = self.scheduler.update_from_output(scheduler_output, empty).outputs
+                    return EngineCoreOutputs(
+                        outputs=finished_outputs, scheduler_stats=self.scheduler.make_stats()
+                    )
         if not self.batch_queue:
-            return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats())
+            return EngineCoreOutputs(outputs=finished_outputs, scheduler_stats=self.scheduler.make_stats())
         scheduler_output, wait_for_output = self.batch_queue.popleft()
         result = self.scheduler.update_from_output(scheduler_output, wait_for_output())
-        result.outputs = outputs + result.outputs
+        result.outputs = finished_outputs + result.outputs
         return result
 
     def has_unfinished_requests(self) -> bool:

@@ -2,8 +2,8 @@
 forks, swapping to a CPU pool, and immediate free.
 
 Checks never mutate: `get_computed_blocks` and `num_blocks_needed` only look, and `allocate_slots`
-decides whether the sequence fits before it takes anything, returning None (and changing nothing)
-when it does not.
+(and `allocate_group`, for the sequences of one request at once) decides whether the sequences fit
+before it takes anything, returning None (and changing nothing) when they do not.
 """
 
 from __future__ import annotations
@@ -18,6 +18,17 @@ from engine.request import Sequence
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclasses.dataclass(slots=True)
+class SequenceWant:
+    """One sequence's share of a step: `num_new_tokens` to compute after taking `prefix_hits`
+    (cached blocks holding its next `num_hit_tokens` tokens; empty unless it holds no blocks yet)."""
+
+    seq: Sequence
+    num_new_tokens: int
+    prefix_hits: list[KVCacheBlock]
+    num_hit_tokens: int
 
 
 @dataclasses.dataclass
@@ -40,8 +51,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks else None
-        self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
-        self.req_to_block_hashes: defaultdict[str, list[BlockHash]] = defaultdict(list)
+        # Keyed by seq_id: each sequence's block table, and the chain hashes of its full blocks.
+        self.seq_block_tables: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
+        self.seq_block_hashes: defaultdict[str, list[BlockHash]] = defaultdict(list)
         # How many leading blocks of each sequence have been offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         # Block tables of swapped-out sequences, in the CPU pool.
@@ -59,7 +71,15 @@ class KVCacheManager:
         return self.block_pool.usage()
 
     def block_ids(self, seq_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(seq_id, ())]
+        return [block.block_id for block in self.seq_block_tables.get(seq_id, ())]
+
+    def num_logical_blocks(self, seqs: Iterable[Sequence]) -> int:
+        """Blocks the sequences' tables point to, a shared block counted once per table."""
+        return sum(len(self.seq_block_tables.get(seq.seq_id, ())) for seq in seqs)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing forgotten) while a sequence holds blocks."""
+        return self.block_pool.reset_prefix_cache()
 
     # ---- prefix cache --------------------------------------------------------------------------
 
@@ -88,7 +108,7 @@ class KVCacheManager:
         """Free blocks `allocate_slots` would take: new blocks, a copy-on-write, and prefix hits
         that nobody holds (they sit in the free queue, so taking them shrinks it)."""
         hits = new_computed_blocks or []
-        blocks = self.req_to_blocks.get(seq.seq_id, [])
+        blocks = self.seq_block_tables.get(seq.seq_id, [])
         num_computed = seq.num_computed_tokens + len(hits) * self.block_size
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(hits)
         return (
@@ -107,8 +127,11 @@ class KVCacheManager:
         """
         if self.num_blocks_needed(seq, num_new_tokens, new_computed_blocks) > self.block_pool.num_free_blocks:
             return None
-        hits = new_computed_blocks or []
-        blocks = self.req_to_blocks[seq.seq_id]
+        return self._take_slots(seq, num_new_tokens, new_computed_blocks or [])
+
+    def _take_slots(self, seq: Sequence, num_new_tokens: int, hits: list[KVCacheBlock]) -> SlotAllocation:
+        """`allocate_slots` once the blocks are known to be there."""
+        blocks = self.seq_block_tables[seq.seq_id]
         table_start = len(blocks)
         copies = []
         if self._needs_copy_on_write(seq):
@@ -128,17 +151,48 @@ class KVCacheManager:
             self._cache_full_blocks(seq, num_computed + num_new_tokens)
         return SlotAllocation(table_start, [block.block_id for block in blocks[table_start:]], copies)
 
+    def num_blocks_needed_by_group(self, wants: list[SequenceWant]) -> int:
+        """Free blocks that `allocate_group` takes for the sequences of one request.
+
+        `num_blocks_needed` sees one sequence alone: a prefix hit several sequences take counts once
+        per sequence, and a shared block that all its holders write counts a copy for each, though
+        the last writer keeps the block itself.
+        """
+        needed = sum(self.num_blocks_needed(w.seq, w.num_new_tokens, w.prefix_hits) for w in wants)
+        unheld_hits = [block.block_id for w in wants for block in w.prefix_hits if block.ref_cnt == 0]
+        needed -= len(unheld_hits) - len(set(unheld_hits))
+        writers: dict[int, int] = {}
+        for want in wants:
+            table = self.seq_block_tables.get(want.seq.seq_id, [])
+            index = want.seq.num_computed_tokens // self.block_size
+            if index < len(table) and table[index].ref_cnt > 1:
+                writers[table[index].block_id] = writers.get(table[index].block_id, 0) + 1
+        blocks = self.block_pool.blocks
+        return needed - sum(1 for block_id, count in writers.items() if count == blocks[block_id].ref_cnt)
+
+    def allocate_group(self, wants: list[SequenceWant]) -> list[SlotAllocation] | None:
+        """`allocate_slots` for the sequences of one request, all or none (None: they do not fit)."""
+        if self.num_blocks_needed_by_group(wants) > self.block_pool.num_free_blocks:
+            return None
+        # Hold every prefix hit first: one sequence's new blocks come from the head of the free
+        # queue, where the hits of another sequence of the request may sit.
+        pinned = [block for want in wants for block in want.prefix_hits]
+        self.block_pool.touch(pinned)
+        allocations = [self._take_slots(w.seq, w.num_new_tokens, w.prefix_hits) for w in wants]
+        self.block_pool.free_blocks(pinned)
+        return allocations
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent` (by reference count)."""
-        blocks = self.req_to_blocks[parent.seq_id]
+        blocks = self.seq_block_tables[parent.seq_id]
         self.block_pool.touch(blocks)
-        self.req_to_blocks[child.seq_id] = list(blocks)
-        self.req_to_block_hashes[child.seq_id] = list(self.req_to_block_hashes.get(parent.seq_id, []))
+        self.seq_block_tables[child.seq_id] = list(blocks)
+        self.seq_block_hashes[child.seq_id] = list(self.seq_block_hashes.get(parent.seq_id, []))
         self.num_cached_blocks[child.seq_id] = self.num_cached_blocks.get(parent.seq_id, 0)
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, tail first, so that a shared prefix's head is evicted last."""
-        blocks = self.req_to_blocks.pop(seq.seq_id, [])
+        blocks = self.seq_block_tables.pop(seq.seq_id, [])
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(seq.seq_id, None)
         swapped = self.swapped_blocks.pop(seq.seq_id, None)
@@ -147,17 +201,17 @@ class KVCacheManager:
 
     def forget(self, seq: Sequence) -> None:
         """Drop the hashes kept for a sequence that will not come back."""
-        self.req_to_block_hashes.pop(seq.seq_id, None)
+        self.seq_block_hashes.pop(seq.seq_id, None)
 
     # ---- swapping ------------------------------------------------------------------------------
 
     def can_swap_out(self, seqs: Iterable[Sequence]) -> bool:
-        blocks = {block.block_id for seq in seqs for block in self.req_to_blocks.get(seq.seq_id, ())}
+        blocks = {block.block_id for seq in seqs for block in self.seq_block_tables.get(seq.seq_id, ())}
         return self.cpu_pool is not None and len(blocks) <= self.cpu_pool.num_free_blocks
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Move sequences' blocks to the CPU pool, keeping their sharing; (device, cpu) pairs to copy."""
-        return self._move(seqs, self.req_to_blocks, self.swapped_blocks, self.block_pool, self.cpu_pool)
+        return self._move(seqs, self.seq_block_tables, self.swapped_blocks, self.block_pool, self.cpu_pool)
 
     def can_swap_in(self, seqs: Iterable[Sequence]) -> bool:
         blocks = {block.block_id for seq in seqs for block in self.swapped_blocks.get(seq.seq_id, ())}
@@ -167,7 +221,7 @@ class KVCacheManager:
         """Bring swapped sequences back into fresh device blocks; (cpu, device) pairs to copy."""
         for seq in seqs:
             self.num_cached_blocks[seq.seq_id] = 0  # fresh blocks: offer them to the prefix cache again
-        return self._move(seqs, self.swapped_blocks, self.req_to_blocks, self.cpu_pool, self.block_pool)
+        return self._move(seqs, self.swapped_blocks, self.seq_block_tables, self.cpu_pool, self.block_pool)
 
     @staticmethod
     def _move(
@@ -195,13 +249,13 @@ class KVCacheManager:
     # ---- helpers -------------------------------------------------------------------------------
 
     def _needs_copy_on_write(self, seq: Sequence) -> bool:
-        blocks = self.req_to_blocks.get(seq.seq_id)
+        blocks = self.seq_block_tables.get(seq.seq_id)
         write_index = seq.num_computed_tokens // self.block_size
         return bool(blocks) and write_index < len(blocks) and blocks[write_index].ref_cnt > 1
 
     def _block_hashes(self, seq: Sequence) -> list[BlockHash]:
         """Chain hashes of the sequence's full blocks, extended as its tokens grow."""
-        hashes = self.req_to_block_hashes[seq.seq_id]
+        hashes = self.seq_block_hashes[seq.seq_id]
         size = self.block_size
         tokens = seq.all_token_ids
         for index in range(len(hashes), len(tokens) // size):
@@ -216,7 +270,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(seq)
-        blocks = self.req_to_blocks[seq.seq_id]
+        blocks = self.seq_block_tables[seq.seq_id]
         for index in range(start, num_full):
             self.block_pool.cache_block(blocks[index], hashes[index])
         self.num_cached_blocks[seq.seq_id] = num_full

@@ -72,8 +72,9 @@ class NewSequenceData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_logprobs: int | None = None
 
 
-class CachedSequenceData(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Deltas for sequences the workers already hold, index-aligned lists.
+class RunningSequenceDeltas(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One step's changes to sequences the workers already hold (each worker keeps a
+    `WorkerSequenceState` per sequence), as index-aligned lists.
 
     A sequence's block table changes only from `block_table_starts[i]` on: new blocks are appended
     there, and a copy-on-write replaces the block being written.
@@ -91,7 +92,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     to make first (swaps out, swaps in, copies, in that order)."""
 
     scheduled_new_seqs: list[NewSequenceData]
-    scheduled_cached_seqs: CachedSequenceData
+    scheduled_cached_seqs: RunningSequenceDeltas
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_seq_ids: list[str] = msgspec.field(default_factory=list)

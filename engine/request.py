@@ -15,7 +15,8 @@ from engine.sampling_params import BeamSearchParams, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request (and of each of its sequences); every status after SWAPPED is final."""
+    """Lifecycle of a request: the scheduler queue it sits in, then how it ended (every status
+    after SWAPPED is final). Its sequences have their own `SequenceStatus`."""
 
     WAITING = 0
     RUNNING = 1
@@ -25,12 +26,35 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
     FINISHED_IGNORED = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.SWAPPED
+
+    @property
+    def sequence_status(self) -> SequenceStatus:
+        """The status a request's live sequences take when the request takes this one."""
+        return SequenceStatus(int(self))
+
+
+class SequenceStatus(enum.IntEnum):
+    """Lifecycle of one sequence: it follows its request through the queues, but may finish on its
+    own (a stop, its length, pruned from a beam search) while the others of the request go on."""
+
+    WAITING = RequestStatus.WAITING
+    RUNNING = RequestStatus.RUNNING
+    PREEMPTED = RequestStatus.PREEMPTED
+    SWAPPED = RequestStatus.SWAPPED
+    FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
+    FINISHED_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+    FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
+    FINISHED_IGNORED = RequestStatus.FINISHED_IGNORED
     # A beam search sequence dropped because better beams took its place; never reported.
     FINISHED_PRUNED = 8
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.SWAPPED
+        return self > SequenceStatus.SWAPPED
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -38,11 +62,11 @@ class RequestStatus(enum.IntEnum):
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
-    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
     # vLLM reports a prompt it could never schedule as cut short by length.
-    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_IGNORED: FinishReason.LENGTH,
 }
 
 
@@ -60,7 +84,7 @@ class Sequence:
         self.output_token_ids: list[int] = list(output_token_ids or [])
         self.all_token_ids: list[int] = [*request.prompt_token_ids, *self.output_token_ids]
         self.num_computed_tokens = 0
-        self.status = RequestStatus.WAITING
+        self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
 
@@ -90,23 +114,23 @@ class Sequence:
         if logprob is not None:
             self.cumulative_logprob += logprob
 
-    def check_stop(self, max_seq_len: int) -> RequestStatus | None:
+    def check_stop(self, max_seq_len: int) -> SequenceStatus | None:
         """How the sequence ends after its latest token, if it does (vLLM's order of checks)."""
         request = self.request
         params = request.sampling_params
         at_length_limit = self.num_tokens >= max_seq_len
         if self.num_output_tokens < params.min_tokens:
             # min_tokens holds back every stop but the hard length limit.
-            return RequestStatus.FINISHED_LENGTH_CAPPED if at_length_limit else None
+            return SequenceStatus.FINISHED_LENGTH_CAPPED if at_length_limit else None
         token_id = self.output_token_ids[-1]
         if token_id == request.eos_token_id and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
+            return SequenceStatus.FINISHED_STOPPED
         if token_id in params.all_stop_token_ids:
             self.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
+            return SequenceStatus.FINISHED_STOPPED
         # An EOS or stop token on the last position still counts as a stop.
         if at_length_limit or (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens):
-            return RequestStatus.FINISHED_LENGTH_CAPPED
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
         return None
 
     def make_output(
@@ -193,8 +217,8 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def max_num_seqs(self) -> int:
-        """Most sequences this request will ever run at once."""
+    def max_concurrent_seqs(self) -> int:
+        """Most sequences this request will ever run at once (its rows of the engine's max_num_seqs)."""
         return self.beam_search.beam_width if self.beam_search else self.sampling_params.num_sequences
 
     @property

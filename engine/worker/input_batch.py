@@ -20,8 +20,9 @@ _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 
 
 @dataclasses.dataclass
-class CachedSequenceState:
-    """What a worker knows about one sequence."""
+class WorkerSequenceState:
+    """What a worker keeps about one sequence from step to step (the scheduler sends it once, as
+    NewSequenceData, then RunningSequenceDeltas)."""
 
     seq_id: str
     token_ids: list[int]  # prompt + the outputs the scheduler has sent
@@ -57,20 +58,19 @@ class CachedSequenceState:
 
 
 class InputBatch:
-    """Block-table rows, indexed by `CachedSequenceState.row`, and the states that own them."""
+    """Block-table rows, indexed by `WorkerSequenceState.row`, and the states that own them."""
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.device = device
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
-        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
-        self.seqs: dict[str, CachedSequenceState] = {}
+        self.seqs: dict[str, WorkerSequenceState] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
-    def add(self, new: NewSequenceData) -> CachedSequenceState:
+    def add(self, new: NewSequenceData) -> WorkerSequenceState:
         if not self._free_rows:
             raise RuntimeError("more sequences scheduled than max_num_seqs rows")
         generator = None if new.seed is None else torch.Generator(device=self.device)
-        state = CachedSequenceState(
+        state = WorkerSequenceState(
             seq_id=new.seq_id,
             token_ids=[*new.prompt_token_ids, *new.output_token_ids],
             num_prompt_tokens=len(new.prompt_token_ids),
@@ -92,10 +92,9 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
 
-    def set_blocks(self, state: CachedSequenceState, start: int, block_ids: list[int]) -> None:
+    def set_blocks(self, state: WorkerSequenceState, start: int, block_ids: list[int]) -> None:
         """The sequence's block table from `start` on becomes `block_ids`."""
         end = start + len(block_ids)
         if end > self.block_table.shape[1]:
             raise RuntimeError(f"sequence {state.seq_id} needs {end} blocks, more than max_model_len allows")
         self.block_table[state.row, start:end] = block_ids
-        self.num_blocks[state.row] = end

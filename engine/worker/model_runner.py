@@ -21,17 +21,17 @@ from engine.models.layers import PagedAttention
 from engine.models.loader import load_model
 from engine.models.model_files import resolve_model_source
 from engine.outputs import (
-    CachedSequenceData,
     LogprobsLists,
     ModelRunnerOutput,
     NewSequenceData,
+    RunningSequenceDeltas,
     SchedulerOutput,
 )
 from engine.sample.metadata import SamplingMetadata, build_sampling_metadata
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs
 from engine.sampling_params import SamplingParams
 from engine.worker.cache_engine import CacheEngine
-from engine.worker.input_batch import CachedSequenceState, InputBatch
+from engine.worker.input_batch import InputBatch, WorkerSequenceState
 from kernels.attention import AttentionMetadata, get_attention_backend
 from parallel.pipeline import IntermediateTensors, receive_from_previous_stage, send_to_next_stage
 from parallel.state import get_parallel_state
@@ -192,7 +192,7 @@ class ModelRunner:
         )
         return self._to_device(input_ids), self._to_device(positions), meta, logits_rows
 
-    def _sampling_metadata(self, states: list[CachedSequenceState]) -> SamplingMetadata:
+    def _sampling_metadata(self, states: list[WorkerSequenceState]) -> SamplingMetadata:
         meta = build_sampling_metadata(
             [state.sampling_params for state in states],
             [state.prompt_token_ids for state in states],
@@ -210,7 +210,7 @@ class ModelRunner:
 
     @staticmethod
     def _sampled_logprobs(
-        states: list[CachedSequenceState], logprobs: LogprobsTensors | None
+        states: list[WorkerSequenceState], logprobs: LogprobsTensors | None
     ) -> list[LogprobsLists | None]:
         if logprobs is None:
             return []
@@ -228,7 +228,7 @@ class ModelRunner:
 
     def _prompt_logprob_rows(
         self, order: list[str], meta: AttentionMetadata
-    ) -> list[tuple[CachedSequenceState, list[int], list[int]]]:
+    ) -> list[tuple[WorkerSequenceState, list[int], list[int]]]:
         """(state, hidden rows, next prompt tokens) of every prompt position this step computes for
         a sequence that asked for prompt log-probabilities (position p predicts prompt token p+1)."""
         rows = []
@@ -249,7 +249,7 @@ class ModelRunner:
         return rows
 
     def _prompt_logprobs(
-        self, rows: list[tuple[CachedSequenceState, list[int], list[int]]], logits: torch.Tensor
+        self, rows: list[tuple[WorkerSequenceState, list[int], list[int]]], logits: torch.Tensor
     ) -> dict[str, LogprobsLists]:
         results = {}
         offset = 0
@@ -295,7 +295,7 @@ class ModelRunner:
         ]
         profile = SchedulerOutput(
             scheduled_new_seqs=seqs,
-            scheduled_cached_seqs=CachedSequenceData(),
+            scheduled_cached_seqs=RunningSequenceDeltas(),
             num_scheduled_tokens={seq.seq_id: len(seq.prompt_token_ids) for seq in seqs},
             total_num_scheduled_tokens=num_tokens,
         )

@@ -245,12 +245,42 @@ class FakeWorker:
             target[dst] = content
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, in a real runner's order: drop, move blocks, take the new data and the deltas,
+        write every scheduled token's KV, check what each sequence attends to, sample."""
         for seq_id in out.finished_seq_ids:
             self.states.pop(seq_id, None)
-        # The block moves come before the forward pass, in this order.
+        self._apply_block_moves(out)
+        self._add_new_seqs(out)
+        self._apply_deltas(out)
+        self._check_batch_is_consistent(out)
+        # Write the KV of every scheduled token first (all layers write before they attend) ...
+        for seq_id, num in out.num_scheduled_tokens.items():
+            self._write_kv(seq_id, num)
+        # ... then check that every position each sequence attends to holds its own prefix.
+        seq_ids, sampled, logprobs = [], [], []
+        for seq_id, num in out.num_scheduled_tokens.items():
+            state = self.states[seq_id]
+            end = state.num_computed + num
+            self._check_attended_kv(seq_id, end)
+            state.num_computed = end
+            reaches_end = end == len(state.tokens)
+            self._cross_check(seq_id, state, reaches_end)
+            if reaches_end:
+                token, row = self._sample(seq_id, state)
+                seq_ids.append(seq_id)
+                sampled.append([token])
+                logprobs.append(row)
+        if all(row is None for row in logprobs):
+            logprobs = []  # as a real runner: no list at all when no sequence asked for any
+        return ModelRunnerOutput(seq_ids=seq_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _apply_block_moves(self, out: SchedulerOutput) -> None:
+        """The block moves come before the forward pass, in this order."""
         self._move(out.blocks_to_swap_out, self.device, self.cpu, "swap out")
         self._move(out.blocks_to_swap_in, self.cpu, self.device, "swap in")
         self._move(out.blocks_to_copy, self.device, self.device, "copy")
+
+    def _add_new_seqs(self, out: SchedulerOutput) -> None:
         for new in out.scheduled_new_seqs:
             assert new.seq_id not in self.states, f"{new.seq_id} sent as new while the worker holds it"
             self.states[new.seq_id] = _WorkerState(
@@ -260,13 +290,15 @@ class FakeWorker:
                 greedy=new.sampling_params.is_greedy,
                 num_logprobs=new.num_logprobs,
             )
-        cached = out.scheduled_cached_seqs
+
+    def _apply_deltas(self, out: SchedulerOutput) -> None:
+        deltas = out.scheduled_cached_seqs
         for seq_id, new_tokens, start, new_blocks, num_computed in zip(
-            cached.seq_ids,
-            cached.new_token_ids,
-            cached.block_table_starts,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
+            deltas.seq_ids,
+            deltas.new_token_ids,
+            deltas.block_table_starts,
+            deltas.new_block_ids,
+            deltas.num_computed_tokens,
             strict=True,
         ):
             state = self.states[seq_id]
@@ -274,53 +306,51 @@ class FakeWorker:
             assert 0 <= start <= len(state.block_ids), (seq_id, start, state.block_ids)
             state.tokens.extend(new_tokens)
             state.block_ids[start:] = new_blocks
-        scheduled_ids = [new.seq_id for new in out.scheduled_new_seqs] + list(cached.seq_ids)
+
+    @staticmethod
+    def _check_batch_is_consistent(out: SchedulerOutput) -> None:
+        """Each scheduled sequence is sent once, as new data or deltas, and the counts add up."""
+        scheduled_ids = [new.seq_id for new in out.scheduled_new_seqs] + list(
+            out.scheduled_cached_seqs.seq_ids
+        )
         assert len(scheduled_ids) == len(set(scheduled_ids)), f"a sequence sent twice: {scheduled_ids}"
         assert sorted(scheduled_ids) == sorted(out.num_scheduled_tokens), "scheduled ids disagree"
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
 
-        # Write the KV of every scheduled token first (all layers write before they attend) ...
-        for seq_id, num in out.num_scheduled_tokens.items():
-            state = self.states[seq_id]
-            end = state.num_computed + num
-            assert num >= 1 and end <= len(state.tokens), (seq_id, state.num_computed, num, len(state.tokens))
-            assert len(state.block_ids) * self.block_size >= end, f"{seq_id}: too few blocks for {end} tokens"
-            for position in range(state.num_computed, end):
-                block_id, offset = self._slot(state, position)
-                self._block(self.device, block_id)[offset] = state.fingerprint(position)
-        # ... then check that every position each sequence attends to holds its own prefix.
-        seq_ids, sampled, logprobs = [], [], []
-        for seq_id, num in out.num_scheduled_tokens.items():
-            state = self.states[seq_id]
-            end = state.num_computed + num
-            for position in range(end):
-                block_id, offset = self._slot(state, position)
-                assert self._block(self.device, block_id)[offset] == state.fingerprint(position), (
-                    f"{seq_id}: KV at position {position} (block {block_id}, slot {offset}) is stale"
-                )
-            state.num_computed = end
-            reaches_end = end == len(state.tokens)
-            self._cross_check(seq_id, state, reaches_end)
-            if reaches_end:
-                # Like a real runner, the worker learns its own sampled token from the next delta.
-                tokens = list(state.tokens)
-                token = greedy_token(tokens, self.vocab) if state.greedy else self.token_fn(seq_id, tokens)
-                seq_ids.append(seq_id)
-                sampled.append([token])
-                logprobs.append(
-                    None
-                    if state.num_logprobs is None
-                    else logprobs_row(tokens, token, state.num_logprobs, self.vocab)
-                )
-        if all(row is None for row in logprobs):
-            logprobs = []  # as a real runner: no list at all when no sequence asked for any
-        return ModelRunnerOutput(seq_ids=seq_ids, sampled_token_ids=sampled, logprobs=logprobs)
+    def _write_kv(self, seq_id: str, num: int) -> None:
+        state = self.states[seq_id]
+        end = state.num_computed + num
+        assert num >= 1 and end <= len(state.tokens), (seq_id, state.num_computed, num, len(state.tokens))
+        assert len(state.block_ids) * self.block_size >= end, f"{seq_id}: too few blocks for {end} tokens"
+        for position in range(state.num_computed, end):
+            block_id, offset = self._slot(state, position)
+            self._block(self.device, block_id)[offset] = state.fingerprint(position)
+
+    def _check_attended_kv(self, seq_id: str, end: int) -> None:
+        state = self.states[seq_id]
+        for position in range(end):
+            block_id, offset = self._slot(state, position)
+            assert self._block(self.device, block_id)[offset] == state.fingerprint(position), (
+                f"{seq_id}: KV at position {position} (block {block_id}, slot {offset}) is stale"
+            )
+
+    def _sample(self, seq_id: str, state: _WorkerState) -> tuple[int, LogprobsLists | None]:
+        """The next token and its log-probabilities, if asked for. Like a real runner, the worker
+        learns its own sampled token from the next delta."""
+        tokens = list(state.tokens)
+        token = greedy_token(tokens, self.vocab) if state.greedy else self.token_fn(seq_id, tokens)
+        row = (
+            None
+            if state.num_logprobs is None
+            else logprobs_row(tokens, token, state.num_logprobs, self.vocab)
+        )
+        return token, row
 
     def _cross_check(self, seq_id: str, state: _WorkerState, reaches_end: bool) -> None:
         scheduler = self.scheduler
-        if scheduler is None or seq_id not in scheduler.seqs:
+        if scheduler is None or seq_id not in scheduler.groups.seqs:
             return
-        seq = scheduler.seqs[seq_id]
+        seq = scheduler.groups.seqs[seq_id]
         assert seq.all_token_ids == state.tokens, f"{seq_id}: worker tokens diverged"
         assert seq.num_computed_tokens == state.num_computed
         assert scheduler.kv_cache_manager.block_ids(seq_id) == state.block_ids, f"{seq_id}: block tables"
@@ -330,14 +360,19 @@ class FakeWorker:
 def step(
     scheduler: Scheduler, worker: FakeWorker, check: bool = True
 ) -> tuple[SchedulerOutput, EngineCoreOutputs]:
-    """One engine step: schedule, run the fake worker, update; invariants checked after each half."""
-    out = scheduler.schedule()
+    """One engine step: schedule, run the fake worker, update; invariants checked after each half.
+
+    As EngineCore.step does, the outputs of requests that scheduling finished come first.
+    """
+    scheduled = scheduler.schedule()
+    out = scheduled.scheduler_output
     if check:
         check_invariants(scheduler)
         assert out.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
         assert len(out.num_scheduled_tokens) <= scheduler.max_num_seqs
     runner_output = worker.execute(out)
     outputs = scheduler.update_from_output(out, runner_output)
+    outputs.outputs = scheduled.finished_outputs + outputs.outputs
     if check:
         check_invariants(scheduler)
     return out, outputs
@@ -374,7 +409,7 @@ def collect(outputs: EngineCoreOutputs, tokens: dict[str, list[int]], reasons: d
 def held_blocks(scheduler: Scheduler) -> dict[str, list[int]]:
     """Device block ids each sequence holds (sequences holding none left out)."""
     kv = scheduler.kv_cache_manager
-    return {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.req_to_blocks.items() if blocks}
+    return {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.seq_block_tables.items() if blocks}
 
 
 def swapped_blocks(scheduler: Scheduler) -> dict[str, list[int]]:
@@ -383,8 +418,13 @@ def swapped_blocks(scheduler: Scheduler) -> dict[str, list[int]]:
     return {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.swapped_blocks.items() if blocks}
 
 
-def _check_pool(pool: BlockPool, tables: dict[str, list[KVCacheBlock]], name: str) -> None:
-    """Reference counts equal holders; the free queue holds exactly the unreferenced blocks."""
+# ---- invariants: each rule a named predicate, so that a failure says which rule broke ----------
+
+
+def assert_ref_counts_match_holders(
+    pool: BlockPool, tables: dict[str, list[KVCacheBlock]], name: str
+) -> None:
+    """Every block's reference count is the number of block tables holding it, each at most once."""
     holders: Counter[int] = Counter()
     for seq_id, blocks in tables.items():
         ids = [b.block_id for b in blocks]
@@ -392,23 +432,60 @@ def _check_pool(pool: BlockPool, tables: dict[str, list[KVCacheBlock]], name: st
         assert all(pool.blocks[b.block_id] is b for b in blocks), f"{seq_id} holds a foreign {name} block"
         holders.update(ids)
     for block in pool.blocks:
-        assert block.ref_cnt == holders[block.block_id], (name, block, holders[block.block_id])
+        assert block.ref_cnt == holders[block.block_id], (
+            f"{name} {block}: reference count is not its {holders[block.block_id]} holders"
+        )
+
+
+def assert_free_queue_is_the_unheld_blocks(pool: BlockPool, name: str) -> None:
+    """The free queue links exactly the blocks nobody holds, once each, and no held block."""
     queue = list(pool.free_queue)
     queue_ids = [b.block_id for b in queue]
     assert len(queue_ids) == len(set(queue_ids)), f"{name} free queue holds a block twice: {queue_ids}"
-    assert set(queue_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}, name
-    assert pool.num_free_blocks == len(queue_ids) == sum(1 for b in pool.blocks if b.ref_cnt == 0)
+    assert set(queue_ids) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}, (
+        f"{name} free queue is not the unreferenced blocks"
+    )
+    assert pool.num_free_blocks == len(queue_ids) == sum(1 for b in pool.blocks if b.ref_cnt == 0), (
+        f"{name} free-block count disagrees with the queue"
+    )
     for prev, nxt in itertools.pairwise(queue):
-        assert prev.next_free is nxt and nxt.prev_free is prev
+        assert prev.next_free is nxt and nxt.prev_free is prev, f"{name} free queue links are broken"
     for block in pool.blocks:
         if block.ref_cnt > 0:
             assert block.prev_free is None and block.next_free is None, f"{name} {block} held but linked"
+
+
+def assert_prefix_map_matches_block_hashes(pool: BlockPool, name: str) -> None:
+    """The hash -> block map holds exactly the blocks that carry a hash, under that hash."""
     for block_hash, block in pool.cached_blocks.items():
-        assert block.block_hash == block_hash
-    assert sum(1 for b in pool.blocks if b.block_hash is not None) == len(pool.cached_blocks)
+        assert block.block_hash == block_hash, f"{name} {block} published under another hash"
+    assert sum(1 for b in pool.blocks if b.block_hash is not None) == len(pool.cached_blocks), (
+        f"{name} blocks with a hash are not the published ones"
+    )
 
 
-def _check_sharing(tables: dict[str, list[int]], seqs: dict[str, Sequence], block_size: int) -> None:
+def assert_pool_consistent(pool: BlockPool, tables: dict[str, list[KVCacheBlock]], name: str) -> None:
+    assert_ref_counts_match_holders(pool, tables, name)
+    assert_free_queue_is_the_unheld_blocks(pool, name)
+    assert_prefix_map_matches_block_hashes(pool, name)
+
+
+def assert_cpu_pool_consistent(scheduler: Scheduler) -> None:
+    """The CPU pool keeps the swapped tables' counts and never caches a prefix; without one, nothing
+    is swapped out."""
+    kv = scheduler.kv_cache_manager
+    if kv.cpu_pool is None:
+        assert not any(kv.swapped_blocks.values()), "blocks swapped out without a CPU pool"
+        return
+    assert_pool_consistent(kv.cpu_pool, kv.swapped_blocks, "cpu")
+    assert all(b.block_hash is None for b in kv.cpu_pool.blocks) and not kv.cpu_pool.cached_blocks, (
+        "the CPU pool caches a prefix"
+    )
+
+
+def assert_shared_blocks_hold_one_prefix(
+    tables: dict[str, list[int]], seqs: dict[str, Sequence], block_size: int
+) -> None:
     """A block in several tables sits at one position, holding the same tokens for every holder:
     a full block of equal prefixes (prefix cache, forks), or a fork's partial block that no holder
     has written past the fork (the first writer copies it)."""
@@ -433,73 +510,136 @@ def _check_sharing(tables: dict[str, list[int]], seqs: dict[str, Sequence], bloc
             assert len(requests) == 1, f"partial block {block_id} shared across requests: {places}"
 
 
+def _queues(scheduler: Scheduler) -> dict[str, list[Request]]:
+    return {"running": scheduler.running, "waiting": scheduler.waiting, "swapped": scheduler.swapped}
+
+
+def assert_each_request_in_one_queue(scheduler: Scheduler) -> None:
+    """The queues are disjoint and hold exactly the scheduler's live requests."""
+    queues = _queues(scheduler)
+    ids = [r.request_id for queue in queues.values() for r in queue]
+    assert len(ids) == len(set(ids)), f"a request in two queues (or twice): {queues}"
+    assert sorted(ids) == sorted(scheduler.requests), "the queues are not the live requests"
+    assert all(scheduler.requests[r.request_id] is r for r in itertools.chain(*queues.values())), (
+        "a queue holds a stale request object"
+    )
+
+
+def assert_queues_in_priority_order(scheduler: Scheduler) -> None:
+    for name in ("waiting", "swapped"):
+        keys = [r.sort_key for r in _queues(scheduler)[name]]
+        assert keys == sorted(keys), f"{name} queue out of priority / FCFS order"
+
+
+def assert_rows_within_max_num_seqs(scheduler: Scheduler) -> None:
+    rows = sum(r.max_concurrent_seqs for r in scheduler.running)
+    assert rows <= scheduler.max_num_seqs, f"running requests take {rows} rows, over max_num_seqs"
+
+
+def assert_seq_registry_is_the_live_seqs(scheduler: Scheduler) -> dict[str, Sequence]:
+    """The scheduler's seq_id -> Sequence map holds exactly the live sequences; returns them."""
+    live = {seq.seq_id: seq for r in scheduler.requests.values() for seq in r.live_seqs}
+    seqs = scheduler.groups.seqs
+    assert seqs.keys() == live.keys() and all(seqs[k] is v for k, v in live.items()), (
+        "the sequence registry is not the live sequences"
+    )
+    return live
+
+
+_QUEUE_REQUEST_STATUSES = {
+    "running": {RequestStatus.RUNNING},
+    "waiting": {RequestStatus.WAITING, RequestStatus.PREEMPTED},
+    "swapped": {RequestStatus.SWAPPED},
+}
+
+
+def assert_group_well_formed(queue: str, request: Request, tables: _BlockTables) -> None:
+    """A queued request's status fits its queue, it has 1 to max_concurrent_seqs live sequences
+    with distinct indices, forks only after its prompt is cached, and finished sequences hold no block."""
+    assert request.status in _QUEUE_REQUEST_STATUSES[queue], f"{request} in the {queue} queue"
+    assert 1 <= len(request.live_seqs) <= request.max_concurrent_seqs, f"{request}: live sequence count"
+    assert len({seq.index for seq in request.seqs}) == len(request.seqs), f"{request}: repeated index"
+    if request.num_pending_forks:
+        assert len(request.seqs) == 1, f"{request} forked before its prompt was cached"
+    for seq in request.seqs:
+        if seq.is_finished:
+            assert seq.seq_id not in tables.device and seq.seq_id not in tables.cpu, (
+                f"finished {seq} holds blocks"
+            )
+
+
+def assert_seq_within_limits(queue: str, seq: Sequence, scheduler: Scheduler) -> None:
+    """A live sequence's status follows its request's queue; it computes no further than its target
+    and holds no more tokens than max_seq_len."""
+    request = seq.request
+    expected = {status.sequence_status for status in _QUEUE_REQUEST_STATUSES[queue]}
+    assert seq.status in expected, f"{seq} in the {queue} queue"
+    assert seq.num_computed_tokens <= request.target_num_tokens(seq), f"{seq} computed past its target"
+    if queue != "waiting" or seq.num_output_tokens:  # (a new prompt may be too long: ignored)
+        assert seq.num_tokens <= scheduler.max_seq_len, f"{seq} longer than max_seq_len"
+
+
+def assert_seq_blocks_fit_queue(
+    queue: str, seq: Sequence, scheduler: Scheduler, tables: _BlockTables
+) -> None:
+    """A running sequence holds exactly the device blocks its computed tokens need (full ones only
+    published), a swapped one as many CPU blocks, and a waiting one none and no computed tokens."""
+    kv = scheduler.kv_cache_manager
+    block_size = scheduler.block_size
+    num_blocks = -(-seq.num_computed_tokens // block_size)
+    device, cpu = tables.device.get(seq.seq_id), tables.cpu.get(seq.seq_id)
+    if queue == "running":
+        assert len(device or []) == num_blocks, f"running {seq} holds blocks {device}"
+        assert cpu is None, f"running {seq} holds CPU blocks"
+        for index, block in enumerate(kv.seq_block_tables[seq.seq_id]):
+            if seq.num_computed_tokens < (index + 1) * block_size:
+                assert block.block_hash is None, f"{seq}: partial block {block} published"
+    elif queue == "swapped":
+        assert len(cpu or []) == num_blocks, f"swapped {seq} holds CPU blocks {cpu}"
+        assert device is None, f"swapped {seq} holds device blocks"
+    else:
+        assert seq.num_computed_tokens == 0, f"waiting {seq} has computed tokens"
+        assert device is None and cpu is None, f"waiting {seq} holds blocks"
+
+
+def assert_only_running_seqs_hold_device_blocks(scheduler: Scheduler, tables: _BlockTables) -> None:
+    running = {seq.seq_id for r in scheduler.running for seq in r.live_seqs}
+    swapped = {seq.seq_id for r in scheduler.swapped for seq in r.live_seqs}
+    assert set(tables.device) <= running, "a sequence that is not running holds device blocks"
+    assert set(tables.cpu) <= swapped, "a sequence that is not swapped out holds CPU blocks"
+
+
+@dataclass
+class _BlockTables:
+    """Block ids each sequence holds, on the device and in the CPU pool (holders of none left out)."""
+
+    device: dict[str, list[int]]
+    cpu: dict[str, list[int]]
+
+    @classmethod
+    def of(cls, scheduler: Scheduler) -> _BlockTables:
+        return cls(held_blocks(scheduler), swapped_blocks(scheduler))
+
+
 def check_invariants(scheduler: Scheduler) -> None:
     """Pool and scheduler invariants that hold between any two calls into the scheduler."""
     kv = scheduler.kv_cache_manager
-    pool = kv.block_pool
-    block_size = scheduler.block_size
-    _check_pool(pool, kv.req_to_blocks, "device")
-    if kv.cpu_pool is not None:
-        _check_pool(kv.cpu_pool, kv.swapped_blocks, "cpu")
-        assert all(b.block_hash is None for b in kv.cpu_pool.blocks) and not kv.cpu_pool.cached_blocks
-    else:
-        assert not any(kv.swapped_blocks.values())
-
-    # Scheduler-side: queues are disjoint, hold only live requests, in order, within the caps.
-    queues = {"running": scheduler.running, "waiting": scheduler.waiting, "swapped": scheduler.swapped}
-    ids = [r.request_id for queue in queues.values() for r in queue]
-    assert len(ids) == len(set(ids)), f"a request in two queues (or twice): {queues}"
-    assert sorted(ids) == sorted(scheduler.requests)
-    assert all(scheduler.requests[r.request_id] is r for r in itertools.chain(*queues.values()))
-    for name in ("waiting", "swapped"):
-        keys = [r.sort_key for r in queues[name]]
-        assert keys == sorted(keys), f"{name} queue out of priority / FCFS order"
-    assert sum(r.max_num_seqs for r in scheduler.running) <= scheduler.max_num_seqs
-    live = {seq.seq_id: seq for r in scheduler.requests.values() for seq in r.live_seqs}
-    assert scheduler.seqs.keys() == live.keys() and all(scheduler.seqs[k] is v for k, v in live.items())
-    device = {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.req_to_blocks.items() if blocks}
-    cpu = {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.swapped_blocks.items() if blocks}
-    expected_status = {
-        "running": {RequestStatus.RUNNING},
-        "waiting": {RequestStatus.WAITING, RequestStatus.PREEMPTED},
-        "swapped": {RequestStatus.SWAPPED},
-    }
-    for name, queue in queues.items():
-        for request in queue:
-            assert request.status in expected_status[name], (name, request)
-            seqs = request.live_seqs
-            assert 1 <= len(seqs) <= request.max_num_seqs, request
-            assert len({seq.index for seq in request.seqs}) == len(request.seqs)
-            if request.num_pending_forks:
-                assert len(request.seqs) == 1, f"{request} forked before its prompt was cached"
-            for seq in request.seqs:
-                if seq.is_finished:
-                    assert seq.seq_id not in device and seq.seq_id not in cpu, f"finished {seq} holds blocks"
-            for seq in seqs:
-                assert seq.status in expected_status[name], (name, seq)
-                assert seq.num_computed_tokens <= request.target_num_tokens(seq), seq
-                if name != "waiting" or seq.num_output_tokens:  # (a new prompt may be too long: ignored)
-                    assert seq.num_tokens <= scheduler.max_seq_len, seq
-                num_blocks = -(-seq.num_computed_tokens // block_size)
-                if name == "running":
-                    # A running sequence holds exactly the blocks its computed tokens need.
-                    assert len(device.get(seq.seq_id, [])) == num_blocks, (seq, device.get(seq.seq_id))
-                    assert seq.seq_id not in cpu
-                    for index, block in enumerate(kv.req_to_blocks[seq.seq_id]):
-                        if seq.num_computed_tokens < (index + 1) * block_size:
-                            assert block.block_hash is None, f"{seq}: partial block {block} published"
-                elif name == "swapped":
-                    assert len(cpu.get(seq.seq_id, [])) == num_blocks, (seq, cpu.get(seq.seq_id))
-                    assert seq.seq_id not in device
-                else:
-                    assert seq.num_computed_tokens == 0, f"waiting {seq} has computed tokens"
-                    assert seq.seq_id not in device and seq.seq_id not in cpu, f"waiting {seq} holds blocks"
-    running = {seq.seq_id for r in scheduler.running for seq in r.live_seqs}
-    swapped = {seq.seq_id for r in scheduler.swapped for seq in r.live_seqs}
-    assert set(device) <= running, "a sequence that is not running holds device blocks"
-    assert set(cpu) <= swapped, "a sequence that is not swapped out holds CPU blocks"
-    _check_sharing(device, live, block_size)
-    _check_sharing(cpu, live, block_size)
+    assert_pool_consistent(kv.block_pool, kv.seq_block_tables, "device")
+    assert_cpu_pool_consistent(scheduler)
+    assert_each_request_in_one_queue(scheduler)
+    assert_queues_in_priority_order(scheduler)
+    assert_rows_within_max_num_seqs(scheduler)
+    live = assert_seq_registry_is_the_live_seqs(scheduler)
+    tables = _BlockTables.of(scheduler)
+    for queue, requests in _queues(scheduler).items():
+        for request in requests:
+            assert_group_well_formed(queue, request, tables)
+            for seq in request.live_seqs:
+                assert_seq_within_limits(queue, seq, scheduler)
+                assert_seq_blocks_fit_queue(queue, seq, scheduler, tables)
+    assert_only_running_seqs_hold_device_blocks(scheduler, tables)
+    assert_shared_blocks_hold_one_prefix(tables.device, live, scheduler.block_size)
+    assert_shared_blocks_hold_one_prefix(tables.cpu, live, scheduler.block_size)
 
 
 def assert_all_free(scheduler: Scheduler) -> None:
@@ -512,8 +652,8 @@ def assert_all_free(scheduler: Scheduler) -> None:
         assert kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks
         assert all(block.ref_cnt == 0 for block in kv.cpu_pool.blocks)
     assert not scheduler.running and not scheduler.waiting and not scheduler.swapped
-    assert not scheduler.requests and not scheduler.seqs and not scheduler.beam_states
+    assert not scheduler.requests and not scheduler.groups.seqs and not scheduler.groups.beam_states
     # No per-sequence bookkeeping outlives its sequence.
-    assert not kv.num_cached_blocks and not any(kv.req_to_block_hashes.values())
-    assert not scheduler._num_tokens_sent and not scheduler._beam_candidates
+    assert not kv.num_cached_blocks and not any(kv.seq_block_hashes.values())
+    assert not scheduler.workers.num_tokens_sent and not scheduler.groups.beam_candidates
     check_invariants(scheduler)

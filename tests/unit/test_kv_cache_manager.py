@@ -114,7 +114,7 @@ def test_allocation_that_does_not_fit_changes_nothing():
     big = make_seq("big", range(13))  # needs 4 blocks
     assert admit(kv, big)[2] is None
     assert kv.num_free_blocks == 3 and kv.block_ids("big") == []
-    assert "big" not in kv.req_to_blocks
+    assert "big" not in kv.seq_block_tables
     assert refs(kv) == [0, 0, 0] and free_ids(kv) == [0, 1, 2]
 
 
@@ -169,7 +169,7 @@ def test_only_full_blocks_are_cached_and_a_block_is_cached_once_it_fills():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     a = make_seq("a", range(10))
     admit(kv, a)
-    blocks = kv.req_to_blocks["a"]
+    blocks = kv.seq_block_tables["a"]
     assert [b.block_hash is not None for b in blocks] == [True, True, False]
     a.append_output_token(10)
     grow(kv, a, 1)  # token 10: block 2 holds 3 tokens
@@ -185,7 +185,7 @@ def test_a_chunk_does_not_cache_blocks_past_the_known_tokens():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     a = make_seq("a", range(6))
     grow(kv, a, 4)  # first chunk: block 0 full
-    blocks = kv.req_to_blocks["a"]
+    blocks = kv.seq_block_tables["a"]
     assert blocks[0].block_hash is not None
     grow(kv, a, 2)
     assert len(blocks) == 2 and blocks[1].block_hash is None
@@ -316,10 +316,10 @@ def test_forget_drops_the_request_hashes():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     a = make_seq("a", range(8))
     admit(kv, a)
-    assert "a" in kv.req_to_block_hashes
+    assert "a" in kv.seq_block_hashes
     kv.free(a)
     kv.forget(a)
-    assert "a" not in kv.req_to_block_hashes and "a" not in kv.req_to_blocks
+    assert "a" not in kv.seq_block_hashes and "a" not in kv.seq_block_tables
     assert "a" not in kv.num_cached_blocks
 
 
@@ -433,7 +433,7 @@ def test_a_fork_keeps_the_parent_prefix_hashes_and_publishes_its_own_blocks():
     parent = make_seq("p", range(6))
     admit(kv, parent, num_new=5)
     child = fork(kv, parent, 1)
-    assert kv.req_to_block_hashes["p#1"] == kv.req_to_block_hashes["p"]
+    assert kv.seq_block_hashes["p#1"] == kv.seq_block_hashes["p"]
     for token in (50, 51, 52):
         child.append_output_token(token)
     write(kv, child, 3)  # positions 5..7: its copy of block 1 becomes full and is published
@@ -462,7 +462,7 @@ def test_swap_out_and_in_keep_the_sharing_and_move_each_block_once():
     assert kv.block_ids("p") == [1, 2] and kv.block_ids("p#1") == [1, 3]
     assert kv.can_swap_out([parent, child])  # 3 distinct blocks, 4 CPU blocks free
     assert kv.swap_out([parent, child]) == [(1, 0), (2, 1), (3, 2)]  # block 1 once, for both
-    assert kv.block_ids("p") == [] and "p" not in kv.req_to_blocks
+    assert kv.block_ids("p") == [] and "p" not in kv.seq_block_tables
     assert ids(kv.swapped_blocks["p"]) == [0, 1] and ids(kv.swapped_blocks["p#1"]) == [0, 2]
     assert cpu_refs(kv) == [2, 1, 1, 0]
     # The device blocks are free at once (tail first); the full block 1 keeps its cached prefix.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine.outputs import FinishReason, ModelRunnerOutput
-from engine.request import RequestStatus
+from engine.request import RequestStatus, SequenceStatus
 from tests.unit.scheduler_helpers import (
     assert_all_free,
     collect,
@@ -63,14 +63,14 @@ def test_single_request_prefill_then_decode_then_length_stop():
     final = by_id(outputs)["a"]
     assert final.new_token_ids == [1012] and final.finish_reason == FinishReason.LENGTH
     (seq,) = request.seqs
-    assert seq.status == RequestStatus.FINISHED_LENGTH_CAPPED and request.is_finished
+    assert seq.status == SequenceStatus.FINISHED_LENGTH_CAPPED and request.is_finished
     assert seq.output_token_ids == [1010, 1011, 1012]
     # Blocks come back as soon as the request finishes, before any further step.
     assert_all_free(scheduler)
     assert not scheduler.has_unfinished_requests()
     # The workers hear about it in the next step's output, once.
-    assert scheduler.schedule().finished_seq_ids == ["a"]
-    assert scheduler.schedule().finished_seq_ids == []
+    assert scheduler.schedule().scheduler_output.finished_seq_ids == ["a"]
+    assert scheduler.schedule().scheduler_output.finished_seq_ids == []
 
 
 def test_decode_crossing_a_block_boundary_sends_the_new_block():
@@ -310,7 +310,7 @@ def test_preempted_request_reuses_its_cached_prefix():
     out, _ = step(scheduler, worker)  # a takes block 4; b then finds none and preempts itself
     assert out.num_scheduled_tokens == {"a": 1}
     assert b.status == RequestStatus.PREEMPTED
-    assert a.is_finished and a.seqs[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert a.is_finished and a.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED
     out, _ = step(scheduler, worker)
     (new,) = out.scheduled_new_seqs
     # b has 9 tokens; both of its full blocks are hits, only the sampled token is recomputed.
@@ -337,11 +337,14 @@ def test_prompt_larger_than_the_cache_is_ignored_with_an_error():
     report = by_id(outputs)
     assert report["big"].new_token_ids == [] and report["big"].finish_reason == FinishReason.LENGTH
     assert "does not fit" in report["big"].error
-    assert big.status == big.seqs[0].status == RequestStatus.FINISHED_IGNORED and big.error
+    assert (
+        big.status == RequestStatus.FINISHED_IGNORED and big.seqs[0].status == SequenceStatus.FINISHED_IGNORED
+    )
+    assert big.error
     assert "big" not in scheduler.requests
     assert report["ok"].finished and report["ok"].error is None
     assert_all_free(scheduler)
-    assert scheduler.schedule().finished_seq_ids == ["ok"]
+    assert scheduler.schedule().scheduler_output.finished_seq_ids == ["ok"]
 
 
 def test_prompt_longer_than_max_model_len_is_ignored():
@@ -358,7 +361,7 @@ def test_prompt_filling_the_whole_cache_runs_and_stops_at_its_first_token():
     scheduler.add_request(request)
     _, outputs = step(scheduler, worker)
     assert by_id(outputs)["full"].new_token_ids == [1008]
-    assert request.seqs[0].status == RequestStatus.FINISHED_LENGTH_CAPPED and request.error is None
+    assert request.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED and request.error is None
     assert_all_free(scheduler)
 
 
@@ -369,7 +372,7 @@ def test_running_request_that_outgrows_the_cache_is_length_capped():
     tokens, reasons = run_until_done(scheduler, worker)
     assert tokens == {"grow": [1005, 1006, 1007]}  # 5 + 3 = 8 tokens: the cache is full
     assert reasons == {"grow": FinishReason.LENGTH}
-    assert request.seqs[0].status == RequestStatus.FINISHED_LENGTH_CAPPED and request.is_finished
+    assert request.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED and request.is_finished
     assert_all_free(scheduler)
 
 
@@ -460,7 +463,7 @@ def test_update_with_nothing_sampled_changes_nothing():
     scheduler, _ = setup(num_blocks=8, max_num_batched_tokens=2)
     request = make_request("a", range(5))
     scheduler.add_request(request)
-    out = scheduler.schedule()
+    out = scheduler.schedule().scheduler_output
     outputs = scheduler.update_from_output(out, ModelRunnerOutput(seq_ids=[], sampled_token_ids=[]))
     assert outputs.outputs == [] and request.seqs[0].output_token_ids == []
     assert request.seqs[0].num_computed_tokens == 2 and request.status == RequestStatus.RUNNING

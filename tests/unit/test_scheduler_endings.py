@@ -7,7 +7,7 @@ The fake worker samples `1000 + len(tokens)` unless a test scripts its tokens.
 from __future__ import annotations
 
 from engine.outputs import FinishReason
-from engine.request import RequestStatus
+from engine.request import RequestStatus, SequenceStatus
 from tests.unit.scheduler_helpers import (
     FakeWorker,
     assert_all_free,
@@ -44,7 +44,7 @@ def run_scripted(request, script):
 def test_eos_stops_with_the_eos_token_included():
     request = make_request("a", [1, 2, 3], eos_token_id=7, max_tokens=10)
     assert run_scripted(request, [5, 6, 7, 8, 9]) == ([5, 6, 7], FinishReason.STOP)
-    assert request.seqs[0].stop_reason is None and request.seqs[0].status == RequestStatus.FINISHED_STOPPED
+    assert request.seqs[0].stop_reason is None and request.seqs[0].status == SequenceStatus.FINISHED_STOPPED
 
 
 def test_ignore_eos_runs_to_max_tokens():
@@ -77,7 +77,7 @@ def test_eos_on_the_last_position_the_cache_holds_is_a_stop():
     scheduler.add_request(request)
     tokens, reasons = run_until_done(scheduler, worker)
     assert (tokens, reasons) == ({"a": [5, 7]}, {"a": FinishReason.STOP})
-    assert request.seqs[0].status == RequestStatus.FINISHED_STOPPED
+    assert request.seqs[0].status == SequenceStatus.FINISHED_STOPPED
 
 
 def test_min_tokens_does_not_hold_a_sequence_past_the_cache():
@@ -107,7 +107,8 @@ def test_abort_running_request_frees_its_blocks_at_once():
     step(scheduler, worker)
     assert scheduler.kv_cache_manager.num_free_blocks == 5
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    assert a.status == a.seqs[0].status == RequestStatus.FINISHED_ABORTED and a.is_finished
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.is_finished
+    assert a.seqs[0].status == SequenceStatus.FINISHED_ABORTED
     assert_all_free(scheduler)
     assert not scheduler.has_unfinished_requests()
     out, outputs = step(scheduler, worker)
@@ -122,7 +123,7 @@ def test_abort_waiting_and_preempted_requests():
     scheduler.add_request(c)
     scheduler.finish_requests(["b", "c"], RequestStatus.FINISHED_ABORTED)
     assert b.status == c.status == RequestStatus.FINISHED_ABORTED
-    assert b.seqs[0].status == c.seqs[0].status == RequestStatus.FINISHED_ABORTED
+    assert b.seqs[0].status == c.seqs[0].status == SequenceStatus.FINISHED_ABORTED
     assert scheduler.waiting == [] and scheduler.running == [a]
     check_invariants(scheduler)
     _tokens, reasons = run_until_done(scheduler, worker)
@@ -137,11 +138,11 @@ def test_abort_unknown_finished_and_repeated_ids_are_no_ops():
     scheduler.add_request(a)
     scheduler.add_request(b)
     step(scheduler, worker)
-    assert a.is_finished and a.seqs[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert a.is_finished and a.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED
     a_status = a.status
     scheduler.finish_requests(["nope", "a", "b", "b"], RequestStatus.FINISHED_ABORTED)
     # Finished stays finished.
-    assert a.status == a_status and a.seqs[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert a.status == a_status and a.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED
     assert b.status == RequestStatus.FINISHED_ABORTED
     scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
     assert_all_free(scheduler)
@@ -153,7 +154,7 @@ def test_abort_between_schedule_and_update_drops_the_sampled_token():
     b = make_request("b", range(10, 14), max_tokens=5, arrival_time=1)
     scheduler.add_request(a)
     scheduler.add_request(b)
-    out = scheduler.schedule()
+    out = scheduler.schedule().scheduler_output
     runner_output = worker.execute(out)
     assert sorted(runner_output.seq_ids) == ["a", "b"]
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)

@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from engine.outputs import FinishReason
-from engine.request import RequestStatus
+from engine.request import RequestStatus, SequenceStatus
 from tests.unit.reference_beam_search import reference_beam_search, reference_sequence
 from tests.unit.scheduler_helpers import (
     assert_all_free,
@@ -90,7 +90,7 @@ def test_n_sequences_prefill_the_prompt_once_then_fork_and_copy_the_partial_bloc
         [1110, 1111, 1112],
         [1210, 1211, 1212],
     ]
-    assert [seq.status for seq in request.seqs] == [RequestStatus.FINISHED_LENGTH_CAPPED] * 3
+    assert [seq.status for seq in request.seqs] == [SequenceStatus.FINISHED_LENGTH_CAPPED] * 3
     assert_all_free(scheduler)
 
 
@@ -219,9 +219,9 @@ def test_stop_sequence_finishes_one_sequence_and_frees_its_blocks():
     assert held_blocks(scheduler) == {"r": [0, 2], "r#1": [0, 1]}
     scheduler.stop_sequence("r", 1, "a stop string")
     child = request.seqs[1]
-    assert child.status == RequestStatus.FINISHED_STOPPED and child.stop_reason == "a stop string"
+    assert child.status == SequenceStatus.FINISHED_STOPPED and child.stop_reason == "a stop string"
     assert held_blocks(scheduler) == {"r": [0, 2]} and refs(scheduler)[:3] == [1, 0, 1]
-    assert not request.is_finished and "r#1" not in scheduler.seqs
+    assert not request.is_finished and "r#1" not in scheduler.groups.seqs
     scheduler.stop_sequence("r", 1, "again")  # no longer live: ignored
     scheduler.stop_sequence("nope", 0, "unknown")
     assert child.stop_reason == "a stop string"
@@ -231,9 +231,9 @@ def test_stop_sequence_finishes_one_sequence_and_frees_its_blocks():
     assert [o.index for o in outputs.outputs] == [0]
     scheduler.stop_sequence("r", 0, "the other")
     assert request.is_finished and "r" not in scheduler.requests
-    assert request.seqs[0].status == RequestStatus.FINISHED_STOPPED
+    assert request.seqs[0].status == SequenceStatus.FINISHED_STOPPED
     assert_all_free(scheduler)
-    assert scheduler.schedule().finished_seq_ids == ["r"]
+    assert scheduler.schedule().scheduler_output.finished_seq_ids == ["r"]
 
 
 def test_stop_sequence_between_schedule_and_update_drops_its_token():
@@ -241,7 +241,7 @@ def test_stop_sequence_between_schedule_and_update_drops_its_token():
     request = make_request("r", range(6), n=2, max_tokens=10)
     scheduler.add_request(request)
     step(scheduler, worker)
-    out = scheduler.schedule()
+    out = scheduler.schedule().scheduler_output
     runner_output = worker.execute(out)
     assert sorted(runner_output.seq_ids) == ["r", "r#1"]
     scheduler.stop_sequence("r", 0, "stop")
@@ -342,7 +342,7 @@ def test_aborting_a_swapped_request_frees_its_cpu_blocks():
     assert b.status == RequestStatus.SWAPPED
     scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     assert b.status == RequestStatus.FINISHED_ABORTED and scheduler.swapped == []
-    assert all(seq.status == RequestStatus.FINISHED_ABORTED for seq in b.seqs)
+    assert all(seq.status == SequenceStatus.FINISHED_ABORTED for seq in b.seqs)
     assert scheduler.kv_cache_manager.cpu_pool.num_free_blocks == 8 and swapped_blocks(scheduler) == {}
     check_invariants(scheduler)
     out, _ = step(scheduler, worker)
@@ -476,7 +476,7 @@ def test_beam_search_forks_and_prunes_with_shared_blocks():
     seen_pruned = False
     while scheduler.has_unfinished_requests():
         step(scheduler, worker)
-        seen_pruned |= any(seq.status == RequestStatus.FINISHED_PRUNED for seq in request.seqs)
+        seen_pruned |= any(seq.status == SequenceStatus.FINISHED_PRUNED for seq in request.seqs)
     assert seen_pruned  # some beam was dropped along the way (and its blocks freed: checked each step)
     assert_all_free(scheduler)
 

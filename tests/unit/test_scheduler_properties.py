@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.outputs import FinishReason
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, SequenceStatus
 from tests.unit.reference_beam_search import reference_beam_search, reference_sequence
 from tests.unit.scheduler_helpers import (
     FakeWorker,
@@ -284,8 +284,8 @@ class Run:
             if was_live:
                 (seq,) = live
                 self.stopped.add(seq.seq_id)
-                assert seq.status == RequestStatus.FINISHED_STOPPED and seq.stop_reason == "stop!"
-                assert seq.seq_id not in self.scheduler.seqs
+                assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.stop_reason == "stop!"
+                assert seq.seq_id not in self.scheduler.groups.seqs
                 assert not held_blocks(self.scheduler).get(seq.seq_id)
                 assert not swapped_blocks(self.scheduler).get(seq.seq_id)
                 assert request.is_finished == (not request.live_seqs)
@@ -299,9 +299,10 @@ class Run:
         swapped_before = {r.request_id for r in scheduler.swapped}
         device_before = held_blocks(scheduler)
         cpu_before = swapped_blocks(scheduler)
-        seqs_before = set(scheduler.seqs)
+        seqs_before = set(scheduler.groups.seqs)
 
-        out = scheduler.schedule()
+        scheduled = scheduler.schedule()
+        out = scheduled.scheduler_output
         check_invariants(scheduler)
         requests = self.requests
         # The step's limits.
@@ -360,7 +361,7 @@ class Run:
         self.stop(step_index, mid_step=True)
         outputs = scheduler.update_from_output(out, runner_output)
         check_invariants(scheduler)
-        for output in outputs.outputs:
+        for output in scheduled.finished_outputs + outputs.outputs:
             assert output.request_id not in self.aborted, "output for an aborted request"
             key = output_key(output)
             assert key not in self.stopped, "output for a stopped sequence"
@@ -470,18 +471,18 @@ class Run:
             if req_id in self.aborted or key in self.stopped or req_id in self.capped:
                 assert emitted == expected[: len(emitted)], key
                 if key in self.stopped and req_id not in self.capped:
-                    assert seq.status == RequestStatus.FINISHED_STOPPED and not any(
+                    assert seq.status == SequenceStatus.FINISHED_STOPPED and not any(
                         o.finished for o in outputs
                     )
                 elif req_id in self.aborted and not any(o.finished for o in outputs):
-                    assert seq.status == RequestStatus.FINISHED_ABORTED
+                    assert seq.status == SequenceStatus.FINISHED_ABORTED
                 continue
             assert (emitted, outputs[-1].finish_reason) == (expected, reason), key
             assert outputs[-1].error is None
             assert seq.status == (
-                RequestStatus.FINISHED_STOPPED
+                SequenceStatus.FINISHED_STOPPED
                 if reason == FinishReason.STOP
-                else RequestStatus.FINISHED_LENGTH_CAPPED
+                else SequenceStatus.FINISHED_LENGTH_CAPPED
             )
             if spec.best_of is not None:  # ranked by cumulative log-probability: it must be right
                 assert outputs[-1].cumulative_logprob is not None
