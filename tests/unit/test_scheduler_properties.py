@@ -17,8 +17,9 @@ from dataclasses import dataclass, replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.outputs import FinishReason
+from engine.outputs import EngineCoreOutput, FinishReason, SchedulerOutput
 from engine.request import Request, RequestStatus, SequenceStatus
+from engine.scheduler import Scheduler
 from tests.unit.reference_beam_search import reference_beam_search, reference_sequence
 from tests.unit.scheduler_helpers import (
     FakeWorker,
@@ -227,6 +228,54 @@ def build_request(spec: Spec, request_id: str, arrival_time: float) -> Request:
     )
 
 
+@dataclass
+class Snapshot:
+    """The scheduler's queues and block tables before a step."""
+
+    running: set[str]
+    waiting: set[str]
+    swapped: set[str]
+    device: dict[str, list[int]]
+    cpu: dict[str, list[int]]
+    seqs: set[str]
+
+    @classmethod
+    def of(cls, scheduler: Scheduler) -> Snapshot:
+        return cls(
+            running={r.request_id for r in scheduler.running},
+            waiting={r.request_id for r in scheduler.waiting},
+            swapped={r.request_id for r in scheduler.swapped},
+            device=held_blocks(scheduler),
+            cpu=swapped_blocks(scheduler),
+            seqs=set(scheduler.groups.seqs),
+        )
+
+
+@dataclass
+class QueueMoves:
+    """How one schedule() call moved requests between the queues."""
+
+    victims: list[Request]  # running before, preempted (or swapped out) now
+    survivors: list[Request]  # running before and still running
+    admitted: list[Request]  # waiting before, running now
+    resumed: list[Request]  # swapped before, running now
+    capped_running: bool  # a request running before was cut short with an error
+
+    @classmethod
+    def of(cls, requests: dict[str, Request], scheduler: Scheduler, before: Snapshot) -> QueueMoves:
+        return cls(
+            victims=[
+                requests[r]
+                for r in before.running
+                if requests[r].status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+            ],
+            survivors=[r for r in scheduler.running if r.request_id in before.running],
+            admitted=[requests[r] for r in before.waiting if requests[r] in scheduler.running],
+            resumed=[requests[r] for r in before.swapped if requests[r] in scheduler.running],
+            capped_running=any(requests[r].is_finished and requests[r].error for r in before.running),
+        )
+
+
 class Run:
     """One scenario's run: the scheduler, the worker, and what came out."""
 
@@ -293,82 +342,101 @@ class Run:
     # ---- one step --------------------------------------------------------------------------------
 
     def step(self, step_index: int) -> None:
-        scheduler, sc = self.scheduler, self.sc
-        running_before = {r.request_id for r in scheduler.running}
-        waiting_before = {r.request_id for r in scheduler.waiting}
-        swapped_before = {r.request_id for r in scheduler.swapped}
-        device_before = held_blocks(scheduler)
-        cpu_before = swapped_blocks(scheduler)
-        seqs_before = set(scheduler.groups.seqs)
-
+        """Schedule, check every rule of the step's decisions, run the worker, update, check again."""
+        scheduler = self.scheduler
+        before = Snapshot.of(scheduler)
         scheduled = scheduler.schedule()
         out = scheduled.scheduler_output
         check_invariants(scheduler)
-        requests = self.requests
-        # The step's limits.
-        assert out.total_num_scheduled_tokens <= sc.max_num_batched_tokens
-        assert len(out.num_scheduled_tokens) <= sc.max_num_seqs
-        assert all(n >= 1 for n in out.num_scheduled_tokens.values())
-        victims = [
-            requests[req_id]
-            for req_id in running_before
-            if requests[req_id].status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
-        ]
-        # Progress: waiting work never sits behind an idle engine (unless this step cut short
-        # the only running request, after it had evicted the others).
-        capped_now = any(requests[r].is_finished and requests[r].error for r in running_before)
-        if (scheduler.waiting or scheduler.swapped) and not (victims and capped_now):
-            assert scheduler.running, "requests wait while nothing runs"
-        if scheduler.running and not out.blocks_to_swap_in:
-            # (a request resumed from the CPU may find no room for its next tokens at once)
-            assert out.total_num_scheduled_tokens > 0, "running requests but nothing scheduled"
-        # Preemption takes the lowest priority (latest arrival) first, and blocks admission.
-        survivors = [r for r in scheduler.running if r.request_id in running_before]
-        for victim in victims:
-            seq_ids = {seq.seq_id for seq in victim.live_seqs}
-            assert seq_ids <= set(out.finished_seq_ids), "the workers must drop a preempted sequence"
-            assert all(r.sort_key <= victim.sort_key for r in survivors), "a higher priority was preempted"
-            if victim.status == RequestStatus.PREEMPTED:
-                assert victim in scheduler.waiting
-                assert all(seq.num_computed_tokens == 0 for seq in victim.live_seqs)
-            else:
-                assert victim in scheduler.swapped
-        self.check_swap_out(out, victims, device_before, seqs_before)
-        admitted = [requests[r] for r in waiting_before if requests[r] in scheduler.running]
-        resumed = [requests[r] for r in swapped_before if requests[r] in scheduler.running]
-        if victims:
-            assert not admitted and not resumed, "admitted or resumed work in a step that preempted"
-            assert not out.blocks_to_swap_in
-        if scheduler.swapped:
-            assert not admitted, "admitted new work while a swapped request waits"
-        # FCFS: whoever was admitted (or resumed) came before everyone still waiting (or swapped).
-        for request in admitted:
-            assert all(request.sort_key <= w.sort_key for w in scheduler.waiting)
-        for request in resumed:
-            assert all(request.sort_key <= s.sort_key for s in scheduler.swapped)
-        self.check_swap_in(out, resumed, cpu_before)
-        admitted_seqs = {seq.seq_id: seq for r in admitted for seq in r.live_seqs}
-        for new in out.scheduled_new_seqs:
-            if new.seq_id in admitted_seqs and admitted_seqs[new.seq_id].index == 0:
-                # A prefix hit is whole blocks and always leaves the last token to compute.
-                hit = new.num_computed_tokens
-                assert hit % sc.block_size == 0 and hit < admitted_seqs[new.seq_id].num_tokens
-                if not sc.enable_prefix_caching:
-                    assert hit == 0
+        moves = QueueMoves.of(self.requests, scheduler, before)
+        self.check_step_limits(out)
+        self.check_no_work_waits_behind_an_idle_engine(out, moves)
+        self.check_preemption_takes_the_lowest_priority(out, moves)
+        self.check_swap_out(out, moves.victims, before.device, before.seqs)
+        self.check_nothing_admitted_while_preempting_or_swapped(out, moves)
+        self.check_admission_is_fcfs(moves)
+        self.check_swap_in(out, moves.resumed, before.cpu)
+        self.check_prefix_hits_are_whole_blocks(out, moves.admitted)
 
         runner_output = self.worker.execute(out)
         self.abort(step_index, mid_step=True)
         self.stop(step_index, mid_step=True)
         outputs = scheduler.update_from_output(out, runner_output)
         check_invariants(scheduler)
-        for output in scheduled.finished_outputs + outputs.outputs:
+        self.record_outputs(scheduled.finished_outputs + outputs.outputs)
+
+    def check_step_limits(self, out: SchedulerOutput) -> None:
+        """The step stays within the token budget and max_num_seqs, and schedules no empty sequence."""
+        assert out.total_num_scheduled_tokens <= self.sc.max_num_batched_tokens, "token budget exceeded"
+        assert len(out.num_scheduled_tokens) <= self.sc.max_num_seqs, "more sequences than max_num_seqs"
+        assert all(n >= 1 for n in out.num_scheduled_tokens.values()), "a sequence scheduled for no token"
+
+    def check_no_work_waits_behind_an_idle_engine(self, out: SchedulerOutput, moves: QueueMoves) -> None:
+        """Waiting work never sits behind an idle engine (unless this step cut short the only running
+        request, after it had evicted the others), and running requests always get tokens."""
+        scheduler = self.scheduler
+        if (scheduler.waiting or scheduler.swapped) and not (moves.victims and moves.capped_running):
+            assert scheduler.running, "requests wait while nothing runs"
+        if scheduler.running and not out.blocks_to_swap_in:
+            # (a request resumed from the CPU may find no room for its next tokens at once)
+            assert out.total_num_scheduled_tokens > 0, "running requests but nothing scheduled"
+
+    def check_preemption_takes_the_lowest_priority(self, out: SchedulerOutput, moves: QueueMoves) -> None:
+        """Preemption takes the lowest priority (latest arrival) first; the workers drop its sequences;
+        by recompute it waits with nothing computed, by swap it waits in the swapped queue."""
+        for victim in moves.victims:
+            seq_ids = {seq.seq_id for seq in victim.live_seqs}
+            assert seq_ids <= set(out.finished_seq_ids), "the workers must drop a preempted sequence"
+            assert all(r.sort_key <= victim.sort_key for r in moves.survivors), (
+                "a higher priority was preempted"
+            )
+            if victim.status == RequestStatus.PREEMPTED:
+                assert victim in self.scheduler.waiting, "a request preempted by recompute does not wait"
+                assert all(seq.num_computed_tokens == 0 for seq in victim.live_seqs), (
+                    "a request preempted by recompute kept computed tokens"
+                )
+            else:
+                assert victim in self.scheduler.swapped, "a swapped request is not in the swapped queue"
+
+    def check_nothing_admitted_while_preempting_or_swapped(
+        self, out: SchedulerOutput, moves: QueueMoves
+    ) -> None:
+        if moves.victims:
+            assert not moves.admitted and not moves.resumed, (
+                "admitted or resumed work in a step that preempted"
+            )
+            assert not out.blocks_to_swap_in, "swapped in during a step that preempted"
+        if self.scheduler.swapped:
+            assert not moves.admitted, "admitted new work while a swapped request waits"
+
+    def check_admission_is_fcfs(self, moves: QueueMoves) -> None:
+        """Whoever was admitted (or resumed) came before everyone still waiting (or swapped)."""
+        for request in moves.admitted:
+            assert all(request.sort_key <= w.sort_key for w in self.scheduler.waiting), "admission overtook"
+        for request in moves.resumed:
+            assert all(request.sort_key <= s.sort_key for s in self.scheduler.swapped), "resumption overtook"
+
+    def check_prefix_hits_are_whole_blocks(self, out: SchedulerOutput, admitted: list[Request]) -> None:
+        """A prefix hit is whole blocks and always leaves the last token to compute (none without caching)."""
+        admitted_seqs = {seq.seq_id: seq for r in admitted for seq in r.live_seqs}
+        for new in out.scheduled_new_seqs:
+            if new.seq_id in admitted_seqs and admitted_seqs[new.seq_id].index == 0:
+                hit = new.num_computed_tokens
+                assert hit % self.sc.block_size == 0, f"{new.seq_id}: a prefix hit of part of a block"
+                assert hit < admitted_seqs[new.seq_id].num_tokens, f"{new.seq_id}: the whole prompt was a hit"
+                if not self.sc.enable_prefix_caching:
+                    assert hit == 0, f"{new.seq_id}: a prefix hit with prefix caching off"
+
+    def record_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """File the step's outputs; none for an aborted request or a stopped sequence, none after the end."""
+        for output in outputs:
             assert output.request_id not in self.aborted, "output for an aborted request"
             key = output_key(output)
             assert key not in self.stopped, "output for a stopped sequence"
             previous = self.outputs.setdefault(key, [])
             assert not any(o.finished for o in previous), f"{key} reported after it finished"
             previous.append(output)
-            request = requests[output.request_id]
+            request = self.requests[output.request_id]
             if output.error and request.status != RequestStatus.FINISHED_IGNORED:
                 self.capped.add(output.request_id)
 
