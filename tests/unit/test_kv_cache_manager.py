@@ -7,7 +7,7 @@ part by hand: allocate, then advance the sequence's computed count.
 
 from __future__ import annotations
 
-from engine.kv_cache_manager import KVCacheManager, SlotAllocation, cdiv
+from engine.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, cdiv
 from engine.request import Sequence
 from tests.unit.scheduler_helpers import make_request
 
@@ -351,6 +351,81 @@ def test_num_blocks_needed_is_pure_and_matches_what_allocation_takes():
     c = make_seq("c", [*range(8), 80])  # the same two hits, now held by b: only the new block counts
     hits, _ = kv.get_computed_blocks(c)
     assert ids(hits) == [0, 1] and kv.num_blocks_needed(c, 1, hits) == 1
+
+
+# ---- the sequences of one request together --------------------------------------------------------
+
+
+def test_group_allocation_lets_the_last_writer_of_a_shared_block_keep_it():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    parent = make_seq("p", range(6))
+    admit(kv, parent, num_new=5)  # blocks 0 (full) and 1 (one token)
+    child = fork(kv, parent, 1)
+    wants = [SequenceWant(parent, 1, [], 0), SequenceWant(child, 1, [], 0)]
+    # Alone, each would copy block 1; together the second writer finds itself its only holder.
+    assert kv.num_blocks_needed(parent, 1) + kv.num_blocks_needed(child, 1) == 2
+    assert kv.num_blocks_needed_by_group(wants) == 1
+    allocations = kv.allocate_group(wants)
+    assert allocations == [
+        SlotAllocation(table_start=1, block_ids=[2], copies=[(1, 2)]),
+        SlotAllocation(table_start=2, block_ids=[], copies=[]),
+    ]
+    assert kv.num_free_blocks == 4 - 3 and refs(kv) == [2, 1, 1, 0]
+
+
+def test_group_allocation_counts_a_prefix_hit_of_several_sequences_once():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    cached = make_seq("c", range(9))
+    admit(kv, cached)
+    kv.free(cached)  # free queue [3, 2, 1, 0]; blocks 0 and 1 hold a cached prefix nobody holds
+    request = make_request("r", range(9), n=2)
+    first = request.seqs[0]
+    second = first.fork(1)
+    request.seqs.append(second)
+    hits, num_hit_tokens = kv.get_computed_blocks(first)
+    assert ids(hits) == [0, 1] and num_hit_tokens == 8
+    wants = [SequenceWant(first, 1, hits, 8), SequenceWant(second, 1, hits, 8)]
+    # Each takes the two hits and one new block; the hits leave the free queue once.
+    assert kv.num_blocks_needed(first, 1, hits) == kv.num_blocks_needed(second, 1, hits) == 3
+    assert kv.num_blocks_needed_by_group(wants) == 4
+    allocations = kv.allocate_group(wants)
+    assert allocations is not None and [a.block_ids for a in allocations] == [[0, 1, 3], [0, 1, 2]]
+    assert refs(kv) == [2, 2, 1, 1] and kv.num_free_blocks == 0
+
+
+def test_group_allocation_that_does_not_fit_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    parent = make_seq("p", range(9))
+    admit(kv, parent, num_new=8)  # two full blocks
+    child = fork(kv, parent, 1)
+    before = (free_ids(kv), refs(kv))
+    wants = [SequenceWant(parent, 1, [], 0), SequenceWant(child, 1, [], 0)]
+    assert kv.num_blocks_needed_by_group(wants) == 2
+    assert kv.allocate_group(wants) is None
+    assert (free_ids(kv), refs(kv)) == before and kv.block_ids("p#1") == [0, 1]
+
+
+def test_logical_blocks_count_a_shared_block_once_per_table():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    parent = make_seq("p", range(9))
+    admit(kv, parent, num_new=8)
+    child = fork(kv, parent, 1)
+    write(kv, child, 1)
+    assert kv.num_logical_blocks([parent]) == 2
+    assert kv.num_logical_blocks([parent, child]) == 2 + 3
+    assert kv.num_blocks - kv.num_free_blocks == 3
+
+
+def test_reset_prefix_cache_only_once_no_sequence_holds_a_block():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    seq = make_seq("a", range(9))
+    admit(kv, seq)
+    assert kv.reset_prefix_cache() is False
+    assert ids(kv.get_computed_blocks(make_seq("b", range(9)))[0]) == [0, 1]  # nothing forgotten
+    kv.free(seq)
+    kv.forget(seq)
+    assert kv.reset_prefix_cache() is True
+    assert kv.get_computed_blocks(make_seq("c", range(9))) == ([], 0)
 
 
 # ---- forks and copy-on-write ----------------------------------------------------------------------

@@ -347,6 +347,23 @@ def test_prompt_larger_than_the_cache_is_ignored_with_an_error():
     assert scheduler.schedule().scheduler_output.finished_seq_ids == ["ok"]
 
 
+def test_requests_finished_while_scheduling_are_reported_by_that_schedule_call():
+    scheduler, _ = setup(num_blocks=2)  # 8 tokens of KV cache
+    scheduler.add_request(make_request("big", range(9)))
+    scheduled = scheduler.schedule()
+    # Nothing for the workers, yet the step has news: the ignored request, reported once.
+    assert scheduled.scheduler_output.total_num_scheduled_tokens == 0
+    (report,) = scheduled.finished_outputs
+    assert (report.request_id, report.finish_reason, report.request_finished) == (
+        "big",
+        FinishReason.LENGTH,
+        True,
+    )
+    assert not scheduler.has_unfinished_requests()
+    empty = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
+    assert scheduler.update_from_output(scheduled.scheduler_output, empty).outputs == []
+
+
 def test_prompt_longer_than_max_model_len_is_ignored():
     scheduler, worker = setup(num_blocks=100, max_model_len=8)
     scheduler.add_request(make_request("long", range(9)))
@@ -457,6 +474,24 @@ def test_stats_follow_the_queues_and_the_cache():
     run_until_done(scheduler, worker)
     stats = scheduler.make_stats()
     assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_reset_prefix_cache_waits_until_no_request_holds_blocks():
+    scheduler, worker = setup(num_blocks=8)
+    scheduler.add_request(make_request("a", range(9), max_tokens=2))
+    step(scheduler, worker)
+    assert scheduler.reset_prefix_cache() is False  # "a" still holds its blocks
+    run_until_done(scheduler, worker)
+    scheduler.add_request(make_request("b", range(9), max_tokens=1))
+    out, _ = step(scheduler, worker)
+    assert out.scheduled_new_seqs[0].num_computed_tokens == 8  # "a"'s prefix is cached
+    run_until_done(scheduler, worker)
+    assert scheduler.reset_prefix_cache() is True
+    scheduler.add_request(make_request("c", range(9), max_tokens=1))
+    out, _ = step(scheduler, worker)
+    assert out.scheduled_new_seqs[0].num_computed_tokens == 0  # forgotten
+    run_until_done(scheduler, worker)
+    assert_all_free(scheduler)
 
 
 def test_update_with_nothing_sampled_changes_nothing():
