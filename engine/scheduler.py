@@ -123,6 +123,8 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep:
+        """Form the next batch: running requests first (preempting the lowest priority when blocks
+        run out), then swapped requests, then waiting ones, all within one token budget."""
         plan = StepPlan(self.max_num_batched_tokens)
         num_preemptions_before = self.num_preemptions
         self.running.sort(key=lambda r: r.sort_key)

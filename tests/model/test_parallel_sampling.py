@@ -26,8 +26,9 @@ def record_schedules(llm, monkeypatch):
     schedule = scheduler.schedule
 
     def recording():
-        outputs.append(schedule())
-        return outputs[-1]
+        scheduled = schedule()
+        outputs.append(scheduled.scheduler_output)
+        return scheduled
 
     monkeypatch.setattr(scheduler, "schedule", recording)
     return outputs
