@@ -70,8 +70,8 @@ class Scheduler:
         )
         # A sequence never holds more tokens than the whole cache: it stops there, cut by length.
         self.max_seq_len = min(max_model_len, num_kv_blocks * cache_config.block_size)
-        self.workers = WorkerSequences()
-        self.groups = SequenceGroups(self.kv_cache_manager, self.workers, self.max_seq_len)
+        self.worker_sequences = WorkerSequences()
+        self.groups = SequenceGroups(self.kv_cache_manager, self.worker_sequences, self.max_seq_len)
         self.output_builder = OutputBuilder(self.groups, self.max_seq_len)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by Request.sort_key
@@ -141,7 +141,9 @@ class Scheduler:
             self._swap_in(plan)
             if not self.swapped:
                 self._admit_waiting(plan)
-        return ScheduledStep(plan.to_scheduler_output(self.workers.take_dropped()), plan.finished_outputs)
+        return ScheduledStep(
+            plan.to_scheduler_output(self.worker_sequences.take_dropped()), plan.finished_outputs
+        )
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -199,7 +201,7 @@ class Scheduler:
                 seq.num_computed_tokens = want.num_hit_tokens
                 if seq.index == 0 and request.num_cached_tokens < 0:
                     request.num_cached_tokens = want.num_hit_tokens
-            self.workers.record(seq, want.num_new_tokens, allocation, self.kv_cache_manager, plan)
+            self.worker_sequences.record(seq, want.num_new_tokens, allocation, self.kv_cache_manager, plan)
         taken = sum(want.num_new_tokens for want in wants)
         plan.budget -= taken
         return taken
@@ -324,7 +326,7 @@ class Scheduler:
         self.num_preemptions += 1
         request.num_preemptions += 1
         for seq in seqs:
-            self.workers.drop(seq.seq_id)
+            self.worker_sequences.drop(seq.seq_id)
         if mode == "swap" and kv.can_swap_out(seqs):
             plan.swap_out += kv.swap_out(seqs)
             self._set_status(request, RequestStatus.SWAPPED)

@@ -18,9 +18,11 @@ from engine.step_plan import WorkerSequences
 class SequenceGroups:
     """Every live sequence by `seq_id`, the forks of parallel sampling and the steps of beam search."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, workers: WorkerSequences, max_seq_len: int) -> None:
+    def __init__(
+        self, kv_cache_manager: KVCacheManager, worker_sequences: WorkerSequences, max_seq_len: int
+    ) -> None:
         self.kv_cache_manager = kv_cache_manager
-        self.workers = workers
+        self.worker_sequences = worker_sequences
         self.max_seq_len = max_seq_len
         self.seqs: dict[str, Sequence] = {}  # live sequences by seq_id
         self.beam_states: dict[str, BeamSearchState] = {}
@@ -52,7 +54,7 @@ class SequenceGroups:
         self.kv_cache_manager.free(seq)
         self.kv_cache_manager.forget(seq)
         self.seqs.pop(seq.seq_id, None)
-        self.workers.forget(seq.seq_id)
+        self.worker_sequences.forget(seq.seq_id)
 
     # ---- parallel sampling ---------------------------------------------------------------------
 

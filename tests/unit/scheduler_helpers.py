@@ -655,5 +655,5 @@ def assert_all_free(scheduler: Scheduler) -> None:
     assert not scheduler.requests and not scheduler.groups.seqs and not scheduler.groups.beam_states
     # No per-sequence bookkeeping outlives its sequence.
     assert not kv.num_cached_blocks and not any(kv.seq_block_hashes.values())
-    assert not scheduler.workers.num_tokens_sent and not scheduler.groups.beam_candidates
+    assert not scheduler.worker_sequences.num_tokens_sent and not scheduler.groups.beam_candidates
     check_invariants(scheduler)
