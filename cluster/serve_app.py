@@ -46,7 +46,7 @@ def llm_server_options(settings: ServeAppSettings) -> dict[str, Any]:
     }
     config = settings.engine_config
     if config.parallel.executor_backend == "ray":
-        from cluster.placement import replica_bundles  # imports Ray's placement API: only when used
+        from cluster.serve.replica_bundles import replica_bundles  # imports Ray: only when used
 
         deployment["placement_group_bundles"] = replica_bundles(config, {"CPU": options.llm_server_cpus})
         deployment["placement_group_strategy"] = config.parallel.placement_strategy

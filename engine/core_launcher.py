@@ -8,18 +8,15 @@ parent may hold threads and CUDA state) and stopped with SIGTERM, then SIGKILL i
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing
 import shutil
-import signal
 import tempfile
-import weakref
 from multiprocessing.process import BaseProcess
 
 from engine.config import EngineConfig
 from engine.core_proc import run_engine_core
-from engine.executor.base import Executor
+from engine.process_utils import StopOnReleaseOrExit, describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +44,11 @@ class CoreProcess:
     """One spawned EngineCoreProc: its socket addresses, liveness, and stopping it."""
 
     def __init__(self, config: EngineConfig) -> None:
-        config = Executor.get_class(config).inherit_caller_context(config)
+        if config.parallel.executor_backend == "ray":
+            # Imports Ray: only for a core whose workers are Ray actors.
+            from engine.executor.ray_utils import inherit_ray_context
+
+            config = inherit_ray_context(config)
         self.socket_dir = tempfile.mkdtemp(prefix="raypage-core-")
         self.input_address = f"ipc://{self.socket_dir}/input"
         self.output_address = f"ipc://{self.socket_dir}/output"
@@ -58,11 +59,7 @@ class CoreProcess:
             name="EngineCore",
         )
         # Holds no reference to self, so that an unreachable client is collected and its core stopped.
-        self._finalizer = weakref.finalize(self, _stop_process, self.process, self.socket_dir)
-        # Run at exit by our own hook rather than weakref's: registered after multiprocessing's,
-        # it runs before that one, which would otherwise wait forever for the live core to end.
-        self._finalizer.atexit = False
-        atexit.register(self._finalizer)
+        self._stop = StopOnReleaseOrExit(self, _stop_process, self.process, self.socket_dir)
 
     def start(self) -> None:
         self.process.start()
@@ -76,16 +73,8 @@ class CoreProcess:
         code = self.process.exitcode if self.process.pid is not None else None
         if code is None:
             return None
-        if code < 0:
-            try:
-                how = f"killed by {signal.Signals(-code).name}"
-            except ValueError:
-                how = f"killed by signal {-code}"
-        else:
-            how = f"exit code {code}"
-        return f"EngineCore process {self.process.pid} died ({how})"
+        return f"EngineCore process {self.process.pid} died ({describe_exit(code)})"
 
     def shutdown(self) -> None:
         """Stop the process and remove the socket directory; safe to call twice."""
-        self._finalizer()
-        atexit.unregister(self._finalizer)
+        self._stop()

@@ -6,9 +6,11 @@ scheduler -> workers:    SchedulerOutput (full data for new requests, deltas for
 last stage -> scheduler: ModelRunnerOutput
 front end -> user:       RequestOutput / CompletionOutput
 
-They are msgspec Structs so that the ZeroMQ and Ray paths serialize them without pickle. Over
-ZeroMQ each message is two frames: its type (`EngineCoreRequestType` / `EngineCoreOutputType`, one
-byte) and its msgpack body, so the receiver decodes the body straight into the right Struct.
+They are msgspec Structs, sent as msgpack (faster than pickle, and typed on decoding): over ZeroMQ,
+and each step's SchedulerOutput from the mp and ray executors to their workers (a worker's answer
+rides back in the executor's own pickled reply). Over ZeroMQ each message is two frames: its type
+(`EngineCoreRequestType` / `EngineCoreOutputType`, one byte) and its msgpack body, so the receiver
+decodes the body straight into the right Struct.
 """
 
 from __future__ import annotations

@@ -44,15 +44,22 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     _copy_checked(param, loaded, "replicated parameter")
 
 
-class ColumnParallelLinear(nn.Module):
+class _TensorParallelModule(nn.Module):
+    """A layer whose weights are split over the tensor-parallel group: this rank's place in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        state = get_parallel_state()
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+
+
+class ColumnParallelLinear(_TensorParallelModule):
     """y = x W^T + b with W split by output rows; each rank returns its slice of y."""
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
-        state = get_parallel_state()
-        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
         self.input_size = input_size
         self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
         self.weight = _parameter((self.output_size_per_partition, input_size), self.weight_loader, dtype)
@@ -136,15 +143,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TensorParallelModule):
     """y = x W^T + b with W split by input columns; the partial sums are all-reduced."""
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
-        state = get_parallel_state()
-        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
         self.weight = _parameter((output_size, self.input_size_per_partition), self.weight_loader, dtype)
         self.bias = _parameter((output_size,), default_weight_loader, dtype) if bias else None
@@ -158,13 +163,11 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_TensorParallelModule):
     """Token embedding with the vocabulary split in contiguous ranges across ranks."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        state = get_parallel_state()
-        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
         self.num_embeddings = num_embeddings
         self.per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.per_partition

@@ -21,9 +21,9 @@ import ray
 from ray import serve
 
 from cluster.openai.api_server import add_server_args
-from cluster.placement import LOCAL_OBJECT_STORE_BYTES
 from cluster.serve.args import parse_app_args
 from cluster.serve_app import build_app, required_cpus
+from engine.executor.ray_utils import LOCAL_OBJECT_STORE_BYTES
 
 logger = logging.getLogger(__name__)
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+
+HEALTH_TIMEOUT_S = 30.0  # a live worker that does not answer check_health within this is hung
 
 
 class Executor(abc.ABC):
@@ -38,17 +41,10 @@ class Executor(abc.ABC):
 
         return RayDistributedExecutor
 
-    @staticmethod
-    def inherit_caller_context(config: EngineConfig) -> EngineConfig:
-        """The config for an engine core started from this process in another one: executors whose
-        workers depend on where the caller runs (its Ray cluster, its placement group) record it here."""
-        return config
-
     @abc.abstractmethod
     def _init_executor(self) -> None:
         """Start the workers, load the model."""
 
-    @abc.abstractmethod
     def collective_rpc(
         self,
         method: str,
@@ -61,6 +57,14 @@ class Executor(abc.ABC):
         With workers in other processes, a worker's exception comes back as a RuntimeError naming its
         rank, a dead worker raises EngineDeadError, and `timeout` (seconds; None: no limit) bounds the
         wait with a TimeoutError. An in-process worker's exception propagates as it is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._call_workers(method, args, kwargs or {}, deadline)
+
+    @abc.abstractmethod
+    def _call_workers(
+        self, method: str, args: tuple, kwargs: dict[str, Any], deadline: float | None
+    ) -> list[Any]:
+        """collective_rpc's work: `deadline` is a time.monotonic() value, or None for no limit."""
 
     def initialize_kv_cache(self) -> tuple[int, int]:
         """Size the device and host caches (the smallest worker decides, so that one scheduler drives
@@ -72,16 +76,24 @@ class Executor(abc.ABC):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Start a step; the returned callable waits for its output. Executors whose workers run
-        elsewhere return at once, so that pipeline stages overlap; this default runs the step now."""
-        output = self.execute_model(scheduler_output)
-        return lambda: output
+        elsewhere return at once, so that pipeline stages overlap. Steps must be waited for in the
+        order they were started (the engine's batch queue does)."""
+        wait_for_workers = self._start_step(scheduler_output)
+        # Only the last pipeline stage samples: the other ranks answer None.
+        return lambda: next(output for output in wait_for_workers() if output is not None)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output)()
+
+    def _start_step(self, scheduler_output: SchedulerOutput) -> Callable[[], list[ModelRunnerOutput | None]]:
+        """Send the step to every worker; the callable waits for their answers in rank order. This
+        default runs it now."""
         outputs = self.collective_rpc("execute_model", (scheduler_output,))
-        return next(output for output in outputs if output is not None)
+        return lambda: outputs
 
     def check_health(self) -> None:
-        self.collective_rpc("check_health")
+        """Raises EngineDeadError when a worker died, TimeoutError when a live one does not answer."""
+        self.collective_rpc("check_health", timeout=HEALTH_TIMEOUT_S)
 
     @abc.abstractmethod
     def shutdown(self) -> None:

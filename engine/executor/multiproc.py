@@ -1,41 +1,39 @@
 """Workers in subprocesses of this host, one per rank.
 
-Each call is pickled once and written to every worker's request pipe (the broadcast); each worker
-answers on its own response pipe, read in rank order. A monitor thread watches the processes'
+Each call is pickled once and written to every worker's request pipe (the broadcast); a step's
+SchedulerOutput travels inside it as msgpack bytes, which encode and decode faster than pickle. Each
+worker answers on its own response pipe, read in rank order. A monitor thread watches the processes'
 sentinels: when a worker dies the executor is marked failed, the other workers are stopped, and
 every pending or later call raises EngineDeadError instead of waiting forever.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import pickle
-import signal
-import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import msgspec
+
 from engine.config import EngineConfig
 from engine.exceptions import EngineDeadError
 from engine.executor.base import Executor
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.process_utils import StopOnReleaseOrExit, available_cores, describe_exit, free_port
 from engine.worker.worker_proc import run_worker
 
 logger = logging.getLogger(__name__)
 
 _EXIT_GRACE_S = 5.0  # how long shutdown lets workers leave on their own before terminating them
 _KILL_GRACE_S = 2.0  # how long a terminated worker gets before SIGKILL
-_HEALTH_TIMEOUT_S = 30.0  # a live worker that does not answer check_health within this is hung
 
 
 class MultiprocExecutor(Executor):
@@ -52,13 +50,9 @@ class MultiprocExecutor(Executor):
         self._early_answers: dict[tuple[int, int], tuple[bool, Any]] = {}
         self._abandoned: set[int] = set()
         self._workers = _WorkerGroup()
-        # Runs on shutdown(), when the executor is collected, or at interpreter exit, whichever
-        # comes first, so that no worker outlives its engine. At exit it runs from our own hook:
-        # registered after multiprocessing's, it runs before that one, which would otherwise
-        # terminate the workers first and have the monitor report them as dead.
-        self._finalizer = weakref.finalize(self, self._workers.stop)
-        self._finalizer.atexit = False
-        atexit.register(self._finalizer)
+        # Before multiprocessing's own exit hook, which would terminate the workers first and have
+        # the monitor report them as dead.
+        self._stop_workers = StopOnReleaseOrExit(self, self._workers.stop)
         try:
             self._workers.start(self.config)
             # init_device joins the process group, which needs every rank at once: a broadcast does that.
@@ -73,32 +67,23 @@ class MultiprocExecutor(Executor):
         """Process ids of the workers, in rank order."""
         return [process.pid for process in self._workers.processes]
 
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
+    def _call_workers(
+        self, method: str, args: tuple, kwargs: dict[str, Any], deadline: float | None
     ) -> list[Any]:
-        deadline = None if timeout is None else time.monotonic() + timeout
         return self._gather(self._broadcast(method, args, kwargs), method, deadline)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
-        """Send a step to every worker now; the returned callable waits for its output. Steps must be
-        waited for in the order they were sent (the engine's batch queue does), so that pipeline
-        stages work on consecutive steps at once."""
-        call_id = self._broadcast("execute_model", (scheduler_output,), None)
-        return lambda: next(
-            output for output in self._gather(call_id, "execute_model", None) if output is not None
-        )
+    def _start_step(self, scheduler_output: SchedulerOutput) -> Callable[[], list[ModelRunnerOutput | None]]:
+        """Send the step to every worker now, so that pipeline stages work on consecutive steps at once."""
+        call_id = self._broadcast("execute_model", (msgspec.msgpack.encode(scheduler_output),), {})
+        return lambda: self._gather(call_id, "execute_model", None)
 
-    def _broadcast(self, method: str, args: tuple, kwargs: dict[str, Any] | None) -> int:
+    def _broadcast(self, method: str, args: tuple, kwargs: dict[str, Any]) -> int:
         with self._call_lock:
             failure = self._workers.check()
             if failure is not None:
                 raise EngineDeadError(f"{failure}; cannot run {method}")
             call_id = next(self._call_ids)
-            message = pickle.dumps((call_id, method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
+            message = pickle.dumps((call_id, method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
             try:
                 for pipe in self._workers.requests:
                     pipe.send_bytes(message)
@@ -152,14 +137,9 @@ class MultiprocExecutor(Executor):
     def _dead_error(self, method: str) -> EngineDeadError:
         return EngineDeadError(f"{self._workers.record_failure()}; {method} did not complete")
 
-    def check_health(self) -> None:
-        """Raises EngineDeadError when a worker died, TimeoutError when a live one does not answer."""
-        self.collective_rpc("check_health", timeout=_HEALTH_TIMEOUT_S)
-
     def shutdown(self) -> None:
         """Stop the workers (politely, then SIGTERM, then SIGKILL), join them, close the pipes."""
-        self._finalizer()  # a finalizer runs once, however often it is called
-        atexit.unregister(self._finalizer)
+        self._stop_workers()
 
 
 class _WorkerGroup:
@@ -187,8 +167,8 @@ class _WorkerGroup:
         world_size = config.parallel.world_size
         # Spawn, not fork: forking a process whose torch thread pools are running can deadlock the child.
         context = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        num_threads = max(1, _num_cores() // world_size)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        num_threads = max(1, available_cores() // world_size)
         for rank in range(world_size):
             request_reader, request_writer = context.Pipe(duplex=False)
             response_reader, response_writer = context.Pipe(duplex=False)
@@ -270,35 +250,10 @@ class _WorkerGroup:
 def _describe_death(rank: int, process: BaseProcess) -> str:
     # The sentinel fires when the process closes its files, a moment before its exit status exists.
     process.join(_KILL_GRACE_S)
-    code = process.exitcode
-    if code is None:
-        how = "exited"
-    elif code < 0:
-        try:
-            how = f"was killed by {signal.Signals(-code).name}"
-        except ValueError:  # a real-time signal, which has no name
-            how = f"was killed by signal {-code}"
-    else:
-        how = f"exited with code {code}"
-    return f"worker rank {rank} (pid {process.pid}) {how}"
+    return f"worker rank {rank} (pid {process.pid}) died ({describe_exit(process.exitcode)})"
 
 
 def _join_all(processes: list[BaseProcess], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
-
-
-def _num_cores() -> int:
-    """Cores this process may run on (its affinity, which containers and taskset narrow)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _free_port() -> int:
-    """A loopback port free right now; the OS picks it, so engines on one host never collide on a
-    fixed one (it could be taken before rank 0 binds it, as with any such probe, but rarely is)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -1,8 +1,8 @@
 """Workers as Ray actors, one per placement-group bundle, across the nodes of a Ray cluster.
 
-The engine core (this process) is a Ray driver. Each step is pickled once and the same bytes go to
-every worker as one remote call; stages pass activations to each other over torch.distributed, never
-through the object store. Calls are awaited with `ray.wait`, one answer at a time, so that the first
+The engine core (this process) is a Ray driver. Each step is encoded once (msgpack, which msgspec
+encodes and decodes faster than pickle) and the same bytes go to every worker as one remote call;
+stages pass activations to each other over torch.distributed, never through the object store. Calls are awaited with `ray.wait`, one answer at a time, so that the first
 dead actor (a killed process, a removed node) fails the call at once with EngineDeadError, rather than
 after the live ranks, which may be blocked in a collective with it, time out.
 """
@@ -10,30 +10,28 @@ after the live ranks, which may be blocked in a collective with it, time out.
 from __future__ import annotations
 
 import logging
-import os
-import pickle
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster import placement
 from engine.config import EngineConfig
 from engine.exceptions import EngineDeadError
+from engine.executor import ray_utils
 from engine.executor.base import Executor
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.process_utils import available_cores, free_port
 from engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 300.0  # actor start plus model load on every worker
-_HEALTH_TIMEOUT_S = 30.0  # a live worker that does not answer check_health within this is hung
 _DEAD_PEER_GRACE_S = 2.0  # how long a failed step waits for the other ranks to reveal a dead actor
 
 
@@ -42,18 +40,17 @@ class RayWorker:
 
     def __init__(self) -> None:
         self.worker: Worker | None = None
+        self._steps = msgspec.msgpack.Decoder(SchedulerOutput)
 
     def node_info(self) -> tuple[str, str, int]:
         """(Ray node id, node IP, cores this process may run on)."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         context = ray.get_runtime_context()
-        return context.get_node_id(), ray.util.get_node_ip_address(), cores
+        return context.get_node_id(), ray.util.get_node_ip_address(), available_cores()
 
     def free_port(self) -> int:
-        """A port free on this worker's node, for the torch.distributed rendezvous it will host."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("", 0))
-            return probe.getsockname()[1]
+        """A port free on this worker's node (all its addresses), for the torch.distributed rendezvous
+        it will host."""
+        return free_port("")
 
     def start(self, config: EngineConfig, rank: int, init_method: str, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
@@ -64,23 +61,11 @@ class RayWorker:
         return getattr(self.worker, method)(*args, **kwargs)
 
     def execute_model(self, message: bytes) -> ModelRunnerOutput | None:
-        return self.worker.execute_model(pickle.loads(message))
+        return self.worker.execute_model(self._steps.decode(message))
 
 
 class RayDistributedExecutor(Executor):
     """Runs tensor_parallel_size x pipeline_parallel_size Workers as Ray actors in a placement group."""
-
-    @staticmethod
-    def inherit_caller_context(config: EngineConfig) -> EngineConfig:
-        """Settings for a core in another process: join (or start) the cluster here, where the caller
-        may already be connected, and hand the core its address and the placement group this process
-        runs in (a Serve replica's), so that it joins the same cluster and places workers there."""
-        parallel = config.parallel
-        placement.connect(parallel.ray_address)
-        updates: dict[str, Any] = {"ray_address": ray.get_runtime_context().gcs_address}
-        if parallel.placement_group_id is None:
-            updates["placement_group_id"] = placement.current_placement_group_id()
-        return config.model_copy(update={"parallel": parallel.model_copy(update=updates)})
 
     def _init_executor(self) -> None:
         parallel = self.config.parallel
@@ -89,7 +74,7 @@ class RayDistributedExecutor(Executor):
         self.worker_nodes: list[str] = []
         self._placement_group = None
         self._owns_placement_group = parallel.placement_group_id is None
-        placement.connect(parallel.ray_address)
+        ray_utils.connect(parallel.ray_address)
         try:
             self._start_workers()
         except BaseException:
@@ -99,11 +84,11 @@ class RayDistributedExecutor(Executor):
     def _start_workers(self) -> None:
         parallel = self.config.parallel
         world_size = parallel.world_size
-        bundle = placement.worker_bundle(self.config)
+        bundle = ray_utils.worker_bundle(self.config)
         if self._owns_placement_group:
-            self._placement_group = placement.reserve_placement_group(parallel, bundle)
+            self._placement_group = ray_utils.reserve_placement_group(parallel, bundle)
         else:
-            self._placement_group = placement.placement_group_by_id(parallel.placement_group_id)
+            self._placement_group = ray_utils.placement_group_by_id(parallel.placement_group_id)
             if self._placement_group.bundle_count < world_size:
                 raise ValueError(
                     f"placement group {parallel.placement_group_id} has "
@@ -125,7 +110,7 @@ class RayDistributedExecutor(Executor):
         infos = self._wait([actor.node_info.remote() for actor in actors], "node_info", _deadline())
         nodes = [node for node, _, _ in infos]
         driver_node = ray.get_runtime_context().get_node_id()
-        order = placement.rank_order(nodes, driver_node, parallel.tensor_parallel_size)
+        order = ray_utils.rank_order(nodes, driver_node, parallel.tensor_parallel_size)
         self._workers = [actors[index] for index in order]
         self.worker_nodes = [nodes[index] for index in order]
         rank0_ip = infos[order[0]][1]
@@ -146,27 +131,20 @@ class RayDistributedExecutor(Executor):
         self.collective_rpc("init_device", timeout=_STARTUP_TIMEOUT_S)
         self.collective_rpc("load_model", timeout=_STARTUP_TIMEOUT_S)
 
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
+    def _call_workers(
+        self, method: str, args: tuple, kwargs: dict[str, Any], deadline: float | None
     ) -> list[Any]:
         self._check_alive(method)
-        refs = [worker.execute_method.remote(method, args, kwargs or {}) for worker in self._workers]
-        return self._wait(refs, method, None if timeout is None else time.monotonic() + timeout)
+        refs = [worker.execute_method.remote(method, args, kwargs) for worker in self._workers]
+        return self._wait(refs, method, deadline)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
-        """Send the step to every worker now (one pickled message, the same bytes for all); the returned
-        callable waits for its output. An actor runs its calls in order, so pipeline stages work on
-        consecutive steps at once."""
+    def _start_step(self, scheduler_output: SchedulerOutput) -> Callable[[], list[ModelRunnerOutput | None]]:
+        """Send the step to every worker now (one encoded message, the same bytes for all). An actor
+        runs its calls in order, so pipeline stages work on consecutive steps at once."""
         self._check_alive("execute_model")
-        message = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        message = msgspec.msgpack.encode(scheduler_output)
         refs = [worker.execute_model.remote(message) for worker in self._workers]
-        return lambda: next(
-            output for output in self._wait(refs, "execute_model", None) if output is not None
-        )
+        return lambda: self._wait(refs, "execute_model", None)
 
     def _check_alive(self, method: str) -> None:
         if self._failure is not None:
@@ -229,10 +207,6 @@ class RayDistributedExecutor(Executor):
             logger.error("%s; stopping the other workers", failure)
             self._kill_workers()
         return EngineDeadError(f"{self._failure}; {method} did not complete")
-
-    def check_health(self) -> None:
-        """Raises EngineDeadError when a worker died, TimeoutError when a live one does not answer."""
-        self.collective_rpc("check_health", timeout=_HEALTH_TIMEOUT_S)
 
     def _kill_workers(self) -> None:
         for worker in self._workers:

@@ -16,15 +16,11 @@ class UniProcExecutor(Executor):
         self.worker.init_device()
         self.worker.load_model()
 
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
+    def _call_workers(
+        self, method: str, args: tuple, kwargs: dict[str, Any], deadline: float | None
     ) -> list[Any]:
-        # In-process: the call returns or raises here, so the timeout has nothing to bound.
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+        # In-process: the call returns or raises here, so the deadline has nothing to bound.
+        return [getattr(self.worker, method)(*args, **kwargs)]
 
     def shutdown(self) -> None:
         """Nothing runs outside this process; the worker goes with the executor."""

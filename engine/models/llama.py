@@ -168,12 +168,10 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate: IntermediateTensors | None = None,
+        self, *inputs: torch.Tensor | IntermediateTensors | None
     ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate)
+        """This stage's layers: see LlamaModel.forward(input_ids, positions, intermediate)."""
+        return self.model(*inputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the last stage's hidden states (gathered over the TP group)."""

@@ -6,19 +6,15 @@ The other backends are tested against this one; it is slow and never used for se
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from kernels.attention.metadata import AttentionMetadata
 from kernels.cache_ops import gather_blocks, reshape_and_cache
 
 
 def reference_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
+    query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> Tensor:
     """Causal attention of each new token over its sequence's cached context and itself."""
     reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
     num_heads, num_kv_heads = query.shape[1], kv_cache.shape[1]

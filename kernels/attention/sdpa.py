@@ -13,19 +13,15 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from kernels.attention.metadata import AttentionMetadata
 from kernels.cache_ops import gather_blocks, reshape_and_cache
 
 
 def sdpa_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
+    query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> Tensor:
     reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
     out = torch.empty_like(query)
     if meta.num_decodes:

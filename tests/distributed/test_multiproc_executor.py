@@ -104,7 +104,7 @@ def test_killed_worker_fails_the_in_flight_step(tiny_model: Path):
         thread.join(DEATH_NOTICE_S)
         assert not thread.is_alive(), "the in-flight step did not notice the dead worker"
         assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
-        assert f"worker rank 1 (pid {pids[1]}) was killed by SIGKILL" in str(errors[0])
+        assert f"worker rank 1 (pid {pids[1]}) died (killed by SIGKILL)" in str(errors[0])
         with pytest.raises(EngineDeadError, match="worker rank 1"):
             executor.check_health()
         with pytest.raises(EngineDeadError):

@@ -1,9 +1,10 @@
 """Where the Ray executor's workers go: joining a cluster, reserving a placement group, ranking workers.
 
 One bundle per worker: `{"GPU": 1}` on CUDA, `{"CPU": 1}` on the CPU, or `placement_bundle`. A Serve
-replica reserves the group itself (its own resources merged into bundle 0, `replica_bundles`), and
-the engine it holds finds that group; anywhere else the executor creates one and waits for it a
-bounded time, naming the resources the cluster lacks instead of waiting forever.
+replica reserves the group itself (its own resources merged into bundle 0, see
+cluster/serve/replica_bundles.py), and the engine it holds finds that group (`inherit_ray_context`);
+anywhere else the executor creates one and waits for it a bounded time, naming the resources the
+cluster lacks instead of waiting forever.
 
 Ranks: rank = pp_stage * tp_size + tp_rank, so each run of tp_size consecutive ranks is one tensor-
 parallel group, whose all-reduces run every layer and must stay on one node. Workers are ranked
@@ -40,17 +41,6 @@ def worker_bundle(config: EngineConfig) -> dict[str, float]:
     return {"GPU": 1.0} if config.model.device == "cuda" else {"CPU": 1.0}
 
 
-def replica_bundles(config: EngineConfig, replica_resources: dict[str, float]) -> list[dict[str, float]]:
-    """A Serve replica's placement group: the replica's own resources merged into bundle 0 (worker
-    rank 0's), then one bundle per further worker."""
-    bundle = worker_bundle(config)
-    first = dict(bundle)
-    for name, amount in replica_resources.items():
-        if amount:
-            first[name] = first.get(name, 0.0) + amount
-    return [first] + [dict(bundle) for _ in range(config.parallel.world_size - 1)]
-
-
 def connect(address: str | None) -> None:
     """Join the cluster at `address`; with None, join a running one, else start a local one.
 
@@ -81,6 +71,19 @@ def _init(address: str | None) -> None:
             include_dashboard=False,
             logging_level=logging.WARNING,
         )
+
+
+def inherit_ray_context(config: EngineConfig) -> EngineConfig:
+    """The config for an engine core that this process starts in another one: join (or start) the
+    cluster here, where the caller may already be connected, and hand the core its address and the
+    placement group this process runs in (a Serve replica's), so that the core joins the same cluster
+    and places its workers there."""
+    parallel = config.parallel
+    connect(parallel.ray_address)
+    updates: dict[str, str | None] = {"ray_address": ray.get_runtime_context().gcs_address}
+    if parallel.placement_group_id is None:
+        updates["placement_group_id"] = current_placement_group_id()
+    return config.model_copy(update={"parallel": parallel.model_copy(update=updates)})
 
 
 def current_placement_group_id() -> str | None:

@@ -1,0 +1,60 @@
+"""Helpers for the processes an engine starts: cores, ports, exit statuses, and stopping them at exit.
+
+Shared by the engine-core launcher and the executors, which start processes of their own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity, which containers and taskset narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now; the OS picks it, so engines on one host never collide on a
+    fixed one (it could be taken before it is bound, as with any such probe, but rarely is)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, from its exit code: "killed by SIGKILL", "exit code 1"."""
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:  # a real-time signal, which has no name
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class StopOnReleaseOrExit:
+    """Calls `stop(*args)` once: when called, when `owner` is garbage-collected, or at interpreter exit,
+    whichever comes first, so that no child process outlives the object that started it.
+
+    `stop` and `args` must not refer to `owner`, or it is never collected. At exit it runs from an
+    atexit hook of its own rather than weakref's: registered after multiprocessing's, it runs before
+    that one, which would otherwise wait for (or terminate) the live children first.
+    """
+
+    def __init__(self, owner: object, stop: Callable[..., Any], *args: Any) -> None:
+        self._finalizer = weakref.finalize(owner, stop, *args)
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
+
+    def __call__(self) -> None:
+        self._finalizer()  # a finalizer runs once, however often it is called
+        atexit.unregister(self._finalizer)
