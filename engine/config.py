@@ -15,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from engine.models.arch_config import ArchConfig
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 ExecutorBackend = Literal["uni", "mp", "ray"]
 
@@ -43,7 +45,9 @@ def parse_memory_size(value: int | str) -> int:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Frozen: a resolved config shares its unchanged sections with the config it came from, so a
+    # section that could change would change both.
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ModelConfig(_Section):
@@ -159,7 +163,7 @@ _SECTIONS: dict[str, type[_Section]] = {
 class EngineConfig(BaseModel):
     """Everything an engine needs, grouped by the component that reads it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -203,9 +207,35 @@ class EngineConfig(BaseModel):
         return cls.from_flat(**{**load_yaml_mapping(path), **overrides})
 
     def to_flat(self) -> dict[str, Any]:
+        """The flat keys `from_flat` reads back (a resolved config's extra fields are left out)."""
+        owners = self.flat_fields()
         return {
-            key: value for section in _SECTIONS for key, value in getattr(self, section).model_dump().items()
+            key: value
+            for section in _SECTIONS
+            for key, value in getattr(self, section).model_dump().items()
+            if key in owners
         }
+
+
+class ResolvedModelConfig(ModelConfig):
+    """A `ModelConfig` with every "auto" settled against the checkpoint and this machine, and the
+    checkpoint's architecture attached (vLLM's `ModelConfig.hf_config`): read from disk once, by
+    `resolve_engine_config`, so that no later component reads the files again."""
+
+    model: str = Field(description="The local weights: a Hugging Face folder or a .gguf file")
+    model_format: Literal["hf", "gguf"]
+    dtype: Literal["float32", "bfloat16", "float16"]
+    max_model_len: int = Field(gt=0)
+    device: Literal["cpu", "cuda"]
+    hf_config: ArchConfig
+
+
+class ResolvedEngineConfig(EngineConfig):
+    """An `EngineConfig` after `engine.config_resolve.resolve_engine_config`, and the only kind the
+    engine core, the executors and the workers accept. Frozen; it crosses process boundaries as
+    `model_dump_json()` / `model_validate_json()` (the core process) or by pickle (the workers)."""
+
+    model: ResolvedModelConfig
 
 
 def load_yaml_mapping(path: str | Path) -> dict[str, Any]:

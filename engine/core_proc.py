@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
+from engine.config import ResolvedEngineConfig
 from engine.core import EngineCore
 from engine.outputs import (
     AbortRequests,
@@ -77,7 +77,7 @@ class EngineCoreProc:
         self._writer.start()
         self.engine_core: EngineCore | None = None
 
-    def start(self, config: EngineConfig, input_address: str) -> None:
+    def start(self, config: ResolvedEngineConfig, input_address: str) -> None:
         """Build the EngineCore, open the input socket, and tell the client it is ready."""
         self.engine_core = EngineCore(config)
         # Bound here, before READY, so that the client's first message finds it; the reader
@@ -219,7 +219,7 @@ def run_engine_core(config_json: str, input_address: str, output_address: str, l
     proc = EngineCoreProc(output_address)
     exit_code = 0
     try:
-        proc.start(EngineConfig.model_validate_json(config_json), input_address)
+        proc.start(ResolvedEngineConfig.model_validate_json(config_json), input_address)
         proc.run_busy_loop()
     except SystemExit:
         pass

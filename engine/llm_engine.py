@@ -9,10 +9,11 @@ from typing import Any
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ResolvedEngineConfig
+from engine.config_resolve import resolve_engine_config
 from engine.core_client import EngineCoreClient, InprocClient
 from engine.input_processor import InputProcessor, PromptType
-from engine.models.model_files import read_arch_config, resolve_engine_config, resolve_model_source
+from engine.models.model_files import ModelSource
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
@@ -21,28 +22,14 @@ from engine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-def build_front_end(config: EngineConfig) -> tuple[EngineConfig, PreTrainedTokenizerBase, InputProcessor]:
-    """Resolve the config (model path, dtype, max_model_len) and load what the front end needs:
+def build_front_end(
+    config: EngineConfig,
+) -> tuple[ResolvedEngineConfig, PreTrainedTokenizerBase, InputProcessor]:
+    """Resolve the config (once: a resolved one passes through) and load what the front end needs:
     the tokenizer and the input processor that tokenizes and validates requests."""
     config = resolve_engine_config(config)
-    source = resolve_model_source(config.model.model)
-    arch = read_arch_config(source)
-    tokenizer = load_tokenizer(source, config.model.tokenizer)
-    eos = tokenizer.eos_token_id
-    if eos is None and arch.eos_token_ids:
-        eos = arch.eos_token_ids[0]
-    max_model_len = config.model.max_model_len
-    assert max_model_len is not None
-    input_processor = InputProcessor(
-        tokenizer,
-        max_model_len,
-        arch.vocab_size,
-        eos,
-        arch.eos_token_ids,
-        max_logprobs=config.model.max_logprobs,
-        max_num_seqs=config.scheduler.max_num_seqs,
-    )
-    return config, tokenizer, input_processor
+    tokenizer = load_tokenizer(ModelSource.of(config.model), config.model.tokenizer)
+    return config, tokenizer, InputProcessor.from_config(config, tokenizer)
 
 
 class LLMEngine:
