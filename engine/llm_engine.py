@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, ResolvedEngineConfig
 from engine.config_resolve import resolve_engine_config
-from engine.core_client import EngineCoreClient, InprocClient
+from engine.core_client import EngineCoreClient
 from engine.input_processor import InputProcessor, PromptType
 from engine.models.model_files import ModelSource
 from engine.output_processor import OutputProcessor
@@ -47,7 +47,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         if multiprocess_mode is None:
             multiprocess_mode = self.config.parallel.executor_backend != "uni"
-        self.engine_core: EngineCoreClient = EngineCoreClient.make_client(self.config, multiprocess_mode)
+        self.engine_core = EngineCoreClient.make_client(self.config, multiprocess_mode)
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> LLMEngine:
@@ -85,11 +85,9 @@ class LLMEngine:
         outputs = self.engine_core.get_output()
         stats = outputs.scheduler_stats
         idle = stats is not None and not stats.num_running_reqs + stats.num_waiting_reqs
-        # An in-process core answers at once, so an idle answer with nothing in it is the truth:
-        # the core lost the requests the front end waits for; fail loudly rather than spin forever.
-        # (A core process reports its state after every add, abort or stop even when idle, so an
-        # idle report from it may predate requests still on their way to it.)
-        if isinstance(self.engine_core, InprocClient) and idle and not outputs.outputs:
+        # When the report is current, an idle one with nothing in it is the truth: the core lost the
+        # requests the front end waits for; fail loudly rather than spin forever.
+        if self.engine_core.idle_report_is_current and idle and not outputs.outputs:
             lost = sorted(self.output_processor.requests)
             self.output_processor.abort_requests(lost)
             raise RuntimeError(f"the engine core finished requests {lost} without reporting them")
@@ -110,6 +108,10 @@ class LLMEngine:
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """A Worker method's results on every rank, in rank order (vLLM's LLM.collective_rpc)."""
         return self.engine_core.collective_rpc(method, args)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds KV blocks."""
+        return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -567,3 +567,7 @@ class Scheduler:
         self._first_scheduled_times.pop(request.request_id, None)
         self.beam_states.pop(request.request_id, None)
         self._beam_candidates.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while any request holds blocks."""
+        return self.kv_cache_manager.block_pool.reset_prefix_cache()
