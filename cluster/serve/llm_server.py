@@ -86,6 +86,10 @@ class LLMServer:
         """Serve's health-check hook: raises EngineDeadError once the engine cannot serve."""
         await self.engine.check_health()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget this replica's cached prefixes; False while a request holds KV blocks."""
+        return await self.engine.reset_prefix_cache()
+
     def get_state(self) -> EngineState:
         errored = self.engine.errored
         stats = None if errored else self.engine.get_stats()
