@@ -8,11 +8,12 @@ dashed CLI flags (`--max-num-seqs`). Every flat key belongs to exactly one secti
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from engine.models.arch_config import ArchConfig
@@ -249,3 +250,46 @@ def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
             f"config file {path} must hold a mapping of engine settings, got {type(data).__name__}"
         )
     return data
+
+
+def checked_flat_settings(
+    path: str | Path | None,
+    overrides: Mapping[str, Any],
+    file_label: str,
+    override_name: Callable[[str], str] = str,
+) -> dict[str, Any]:
+    """The flat settings of the YAML file at `path` (if any) with `overrides` on top, checked by
+    building an `EngineConfig` from them, so that callers fail before loading any weights.
+
+    A ValueError names where each bad value came from: `override_name(key)` for an override (a
+    command-line flag, say), "KEY in FILE" for the file; errors of the file itself start with
+    `file_label` and its path.
+    """
+    file_settings: dict[str, Any] = {}
+    if path is not None:
+        try:
+            file_settings = load_yaml_mapping(path)
+        except (OSError, yaml.YAMLError, ValueError) as exc:
+            raise ValueError(f"{file_label} {path}: {exc}") from None
+    settings = {**file_settings, **overrides}
+    try:
+        EngineConfig.from_flat(**settings)
+    except ValidationError as exc:
+        origin = {key: override_name(key) if key in overrides else f"{key} in {path}" for key in settings}
+        raise ValueError(describe_validation_error(exc, lambda key: origin.get(key, key))) from None
+    except ValueError as exc:  # an unknown key
+        raise ValueError(f"{file_label} {path}: {exc}" if path is not None else str(exc)) from None
+    return settings
+
+
+def describe_validation_error(exc: ValidationError, name: Callable[[str], str] = str) -> str:
+    """One clause per error, "NAME: message (got value)", with the key named as `name` says."""
+    clauses = []
+    for error in exc.errors():
+        # A validator's own ValueError reads better without pydantic's "Value error, " prefix.
+        message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+        if error["loc"]:
+            clauses.append(f"{name(str(error['loc'][0]))}: {message} (got {error['input']!r})")
+        else:  # a check across fields, whose message names them
+            clauses.append(message)
+    return "; ".join(clauses)

@@ -18,6 +18,7 @@ from cluster.openai.protocol import ChatMessage, UsageInfo
 from cluster.openai.streaming import merge_streams
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import render_chat_prompt
 
 
 @dataclasses.dataclass
@@ -39,9 +40,7 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.tokenizer = engine.tokenizer
-        max_model_len = engine.config.model.max_model_len
-        assert max_model_len is not None, "the engine's config must be resolved"
-        self.max_model_len = max_model_len
+        self.max_model_len = engine.config.model.max_model_len
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name a request addresses (the first one when it names none); 404 otherwise."""
@@ -83,24 +82,21 @@ class OpenAIServing:
         template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
     ) -> EnginePrompt:
-        """Messages rendered with the tokenizer's chat template, then tokenized.
-
-        The template writes the special tokens itself, so by default tokenizing adds none.
-        """
-        options = {
-            **(template_kwargs or {}),
-            # Ours win over the client's template kwargs: the text, not ids, must come back.
-            "tokenize": False,
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-        }
+        """Messages rendered with the tokenizer's chat template, then tokenized; 400 if the template fails."""
         try:
-            text = self.tokenizer.apply_chat_template([m.template_dict() for m in messages], **options)
+            prompt = render_chat_prompt(
+                self.tokenizer,
+                [m.template_dict() for m in messages],
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
+                add_special_tokens=add_special_tokens,
+            )
         except jinja2.TemplateError as exc:
             raise OpenAIError(
                 HTTPStatus.BAD_REQUEST, f"The chat template failed: {exc}", "messages"
             ) from None
-        return EnginePrompt(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids, text)
+        return EnginePrompt(prompt["prompt_token_ids"], prompt["prompt"])
 
     def validate(self, prompt: EnginePrompt, params: SamplingParams) -> None:
         """The engine's own checks (vocabulary, logprob and sequence limits), run before the
