@@ -6,16 +6,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jinja2
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
 
 from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError
 from cluster.openai.protocol import ChatMessage, UsageInfo
-from cluster.openai.streaming import merge_streams
+from cluster.openai.streaming import SSEResponse, merge_streams, run_until_disconnect, sse_stream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import render_chat_prompt
@@ -27,6 +30,21 @@ class EnginePrompt:
 
     token_ids: list[int]
     text: str | None = None
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+@dataclasses.dataclass
+class ServingCall(Generic[RequestT]):
+    """One API call in flight: what the client asked, the model name it addressed, the response's
+    id, its tokenized prompts, and the engine's outputs for them (tagged with the prompt index)."""
+
+    request: RequestT
+    model: str
+    request_id: str
+    prompts: list[EnginePrompt]
+    outputs: AsyncIterator[tuple[int, RequestOutput]]
 
 
 def random_id(prefix: str) -> str:
@@ -97,6 +115,20 @@ class OpenAIServing:
                 HTTPStatus.BAD_REQUEST, f"The chat template failed: {exc}", "messages"
             ) from None
         return EnginePrompt(prompt["prompt_token_ids"], prompt["prompt"])
+
+    async def respond(
+        self,
+        call: ServingCall,
+        raw_request: Request,
+        stream: Callable[[ServingCall], AsyncIterator[BaseModel]],
+        collect: Callable[[ServingCall], Awaitable[BaseModel]],
+    ) -> Response | None:
+        """Server-sent events of `stream(call)` when the client asked for a stream, else the JSON of
+        `collect(call)`; None (nobody to answer) once the client disconnected."""
+        if getattr(call.request, "stream", False):
+            return SSEResponse(sse_stream(stream(call)))
+        response = await run_until_disconnect(raw_request, collect(call))
+        return Response(response.model_dump_json(), media_type="application/json") if response else None
 
     def validate(self, prompt: EnginePrompt, params: SamplingParams) -> None:
         """The engine's own checks (vocabulary, logprob and sequence limits), run before the
