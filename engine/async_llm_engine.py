@@ -33,9 +33,9 @@ logger = logging.getLogger(__name__)
 class AsyncLLMEngine:
     """Streams requests' outputs to asyncio consumers, over an EngineCore in its own process.
 
-    `config` is resolved here (model path, dtype, max_model_len); the tokenizer and the input
-    processor (tokenization, validation: what a server needs for token counting) live in this
-    process. Construction blocks until the core process is ready.
+    `config` is resolved here unless it already is (model path, dtype, max_model_len); the
+    tokenizer and the input processor (tokenization, validation: what a server needs for token
+    counting) live in this process. Construction blocks until the core process is ready.
     """
 
     def __init__(
