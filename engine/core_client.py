@@ -59,7 +59,8 @@ class EngineCoreClient(abc.ABC):
     they never block). Outputs and utility calls come back through blocking methods (`get_output`,
     `call_utility`: InprocClient, SyncMPClient) or their `*_async` twins (AsyncMPClient); a client
     raises NotImplementedError for the half it was not made for. The named utilities (`get_stats`,
-    `collective_rpc`, `reset_prefix_cache`) are defined once, here, over those two calls.
+    `collective_rpc`, `reset_prefix_cache`) are defined once, here, over those two calls (an async
+    twin where an asyncio caller needs one).
     """
 
     # The core's counters when it became ready (before any request).
@@ -125,15 +126,9 @@ class EngineCoreClient(abc.ABC):
         """The scheduler's counters now, after every message sent before this call."""
         return self.call_utility("get_stats", result_type=SchedulerStats)
 
-    async def get_stats_async(self) -> SchedulerStats:
-        return await self.call_utility_async("get_stats", result_type=SchedulerStats)
-
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """A Worker method's results on every rank, in rank order."""
         return self.call_utility("collective_rpc", method, list(args))
-
-    async def collective_rpc_async(self, method: str, args: tuple = ()) -> list[Any]:
-        return await self.call_utility_async("collective_rpc", method, list(args))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while a request holds KV blocks."""
