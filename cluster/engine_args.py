@@ -10,14 +10,11 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from engine.config import EngineConfig, load_yaml_mapping
+from engine.config import EngineConfig, checked_flat_settings
 
 
 def flag_name(key: str) -> str:
@@ -49,22 +46,7 @@ def engine_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """
     flags = {key: getattr(args, key) for key in EngineConfig.flat_fields() if hasattr(args, key)}
     path = getattr(args, "engine_config_file", None)
-    settings = {**_read_config_file(path), **flags} if path else flags
-    try:
-        EngineConfig.from_flat(**settings)
-    except ValidationError as exc:
-        raise ValueError(_describe_validation_error(exc, flags, path)) from None
-    except ValueError as exc:
-        # Flags cannot name an unknown key, so an unknown key came from the file.
-        raise ValueError(f"--config {path}: {exc}") from None
-    return settings
-
-
-def _read_config_file(path: str) -> dict[str, Any]:
-    try:
-        return load_yaml_mapping(Path(path))
-    except (OSError, yaml.YAMLError, ValueError) as exc:
-        raise ValueError(f"--config {path}: {exc}") from None
+    return checked_flat_settings(path, flags, "--config", flag_name)
 
 
 def _flag_options(info: FieldInfo) -> dict[str, Any]:
@@ -94,18 +76,3 @@ def _literal_choices(annotation: Any) -> list[str] | None:
         if len(members) == 1:
             return _literal_choices(members[0])
     return None
-
-
-def _describe_validation_error(exc: ValidationError, flags: dict[str, Any], path: str | None) -> str:
-    """One clause per error, naming where the bad value came from: its flag, or the file and key."""
-    clauses = []
-    for error in exc.errors():
-        # A validator's own ValueError reads better without pydantic's "Value error, " prefix.
-        message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
-        if not error["loc"]:  # a check across fields, whose message names them
-            clauses.append(message)
-            continue
-        key = str(error["loc"][0])
-        origin = flag_name(key) if key in flags else f"{key} in {path}"
-        clauses.append(f"{origin}: {message} (got {error['input']!r})")
-    return "; ".join(clauses)

@@ -1,7 +1,7 @@
 """AsyncLLMEngine: the asyncio engine API a server builds on.
 
 `async for output in engine.generate(prompt, params, request_id)` streams one request's outputs.
-The EngineCore runs in its own process (AsyncMPClient); in this process one output-handler task
+The EngineCore runs in its own process (an asyncio EngineCoreClient); in this process one output-handler task
 takes each batch of core outputs, detokenizes it (OutputProcessor), sends stop strings it matched
 back to the core, feeds each request's asyncio queue, and hands the batch's stats to the stat
 loggers. A consumer that stops listening (cancelled task, closed generator, client disconnect)
@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from engine.config import EngineConfig
-from engine.core_client import DEFAULT_READY_TIMEOUT_S, AsyncMPClient
+from engine.core_client import DEFAULT_READY_TIMEOUT_S, EngineCoreClient
 from engine.exceptions import EngineDeadError
 from engine.input_processor import PromptType
 from engine.llm_engine import build_front_end
@@ -33,9 +33,9 @@ logger = logging.getLogger(__name__)
 class AsyncLLMEngine:
     """Streams requests' outputs to asyncio consumers, over an EngineCore in its own process.
 
-    `config` is resolved here (model path, dtype, max_model_len); the tokenizer and the input
-    processor (tokenization, validation: what a server needs for token counting) live in this
-    process. Construction blocks until the core process is ready.
+    `config` is resolved here unless it already is (model path, dtype, max_model_len); the
+    tokenizer and the input processor (tokenization, validation: what a server needs for token
+    counting) live in this process. Construction blocks until the core process is ready.
     """
 
     def __init__(
@@ -47,7 +47,9 @@ class AsyncLLMEngine:
         self.config, self.tokenizer, self.input_processor = build_front_end(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers)
-        self.engine_core = AsyncMPClient(self.config, ready_timeout_s)
+        self.engine_core = EngineCoreClient.make_client(
+            self.config, multiprocess=True, asyncio_mode=True, ready_timeout_s=ready_timeout_s
+        )
         self._latest_stats: SchedulerStats = self.engine_core.initial_stats
         self._queues: dict[str, asyncio.Queue[RequestOutput | EngineDeadError]] = {}
         # Requests aborted since the last batch: reported with the next one.
@@ -94,6 +96,11 @@ class AsyncLLMEngine:
     async def check_health(self) -> None:
         """Raises EngineDeadError when the engine core is gone."""
         self._check_alive()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds KV blocks."""
+        self._check_alive()
+        return await self.engine_core.reset_prefix_cache_async()
 
     @property
     def errored(self) -> bool:

@@ -8,12 +8,15 @@ dashed CLI flags (`--max-num-seqs`). Every flat key belongs to exactly one secti
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
+
+from engine.models.arch_config import ArchConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 ExecutorBackend = Literal["uni", "mp", "ray"]
@@ -43,7 +46,9 @@ def parse_memory_size(value: int | str) -> int:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Frozen: a resolved config shares its unchanged sections with the config it came from, so a
+    # section that could change would change both.
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ModelConfig(_Section):
@@ -159,7 +164,7 @@ _SECTIONS: dict[str, type[_Section]] = {
 class EngineConfig(BaseModel):
     """Everything an engine needs, grouped by the component that reads it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -203,9 +208,35 @@ class EngineConfig(BaseModel):
         return cls.from_flat(**{**load_yaml_mapping(path), **overrides})
 
     def to_flat(self) -> dict[str, Any]:
+        """The flat keys `from_flat` reads back (a resolved config's extra fields are left out)."""
+        owners = self.flat_fields()
         return {
-            key: value for section in _SECTIONS for key, value in getattr(self, section).model_dump().items()
+            key: value
+            for section in _SECTIONS
+            for key, value in getattr(self, section).model_dump().items()
+            if key in owners
         }
+
+
+class ResolvedModelConfig(ModelConfig):
+    """A `ModelConfig` with every "auto" settled against the checkpoint and this machine, and the
+    checkpoint's architecture attached (vLLM's `ModelConfig.hf_config`): read from disk once, by
+    `resolve_engine_config`, so that no later component reads the files again."""
+
+    model: str = Field(description="The local weights: a Hugging Face folder or a .gguf file")
+    model_format: Literal["hf", "gguf"]
+    dtype: Literal["float32", "bfloat16", "float16"]
+    max_model_len: int = Field(gt=0)
+    device: Literal["cpu", "cuda"]
+    hf_config: ArchConfig
+
+
+class ResolvedEngineConfig(EngineConfig):
+    """An `EngineConfig` after `engine.config_resolve.resolve_engine_config`, and the only kind the
+    engine core, the executors and the workers accept. Frozen; it crosses process boundaries as
+    `model_dump_json()` / `model_validate_json()` (the core process) or by pickle (the workers)."""
+
+    model: ResolvedModelConfig
 
 
 def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
@@ -219,3 +250,46 @@ def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
             f"config file {path} must hold a mapping of engine settings, got {type(data).__name__}"
         )
     return data
+
+
+def checked_flat_settings(
+    path: str | Path | None,
+    overrides: Mapping[str, Any],
+    file_label: str,
+    override_name: Callable[[str], str] = str,
+) -> dict[str, Any]:
+    """The flat settings of the YAML file at `path` (if any) with `overrides` on top, checked by
+    building an `EngineConfig` from them, so that callers fail before loading any weights.
+
+    A ValueError names where each bad value came from: `override_name(key)` for an override (a
+    command-line flag, say), "KEY in FILE" for the file; errors of the file itself start with
+    `file_label` and its path.
+    """
+    file_settings: dict[str, Any] = {}
+    if path is not None:
+        try:
+            file_settings = load_yaml_mapping(path)
+        except (OSError, yaml.YAMLError, ValueError) as exc:
+            raise ValueError(f"{file_label} {path}: {exc}") from None
+    settings = {**file_settings, **overrides}
+    try:
+        EngineConfig.from_flat(**settings)
+    except ValidationError as exc:
+        origin = {key: override_name(key) if key in overrides else f"{key} in {path}" for key in settings}
+        raise ValueError(describe_validation_error(exc, lambda key: origin.get(key, key))) from None
+    except ValueError as exc:  # an unknown key
+        raise ValueError(f"{file_label} {path}: {exc}" if path is not None else str(exc)) from None
+    return settings
+
+
+def describe_validation_error(exc: ValidationError, name: Callable[[str], str] = str) -> str:
+    """One clause per error, "NAME: message (got value)", with the key named as `name` says."""
+    clauses = []
+    for error in exc.errors():
+        # A validator's own ValueError reads better without pydantic's "Value error, " prefix.
+        message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+        if error["loc"]:
+            clauses.append(f"{name(str(error['loc'][0]))}: {message} (got {error['input']!r})")
+        else:  # a check across fields, whose message names them
+            clauses.append(message)
+    return "; ".join(clauses)

@@ -95,6 +95,10 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while any request holds blocks."""
+        return self.scheduler.reset_prefix_cache()
+
     def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
         """Call a Worker method on every rank (diagnostics: KV cache shapes, forward timings)."""
         return self.executor.collective_rpc(method, tuple(args))

@@ -24,13 +24,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.config import EngineConfig
+from engine.config import ResolvedEngineConfig
 from engine.core import EngineCore
 from engine.core_launcher import CoreProcess
+from engine.core_wire import MessageDecoder, encode_message
 from engine.exceptions import EngineDeadError, EngineStartupError
 from engine.outputs import (
     AbortRequests,
-    EngineCoreFailure,
     EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreReady,
@@ -49,20 +49,50 @@ DEFAULT_READY_TIMEOUT_S = 600.0
 # How often a waiting client checks that the core process is alive: the bound on noticing a death.
 _LIVENESS_POLL_MS = 200
 
-_DECODERS = {
-    EngineCoreOutputType.OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
-    EngineCoreOutputType.UTILITY: msgspec.msgpack.Decoder(UtilityOutput),
-    EngineCoreOutputType.READY: msgspec.msgpack.Decoder(EngineCoreReady),
-    EngineCoreOutputType.FAILURE: msgspec.msgpack.Decoder(EngineCoreFailure),
-}
+_FROM_CORE = MessageDecoder(EngineCoreOutputType)
 
 
 class EngineCoreClient(abc.ABC):
-    """What LLMEngine needs from a core, wherever it runs."""
+    """One interface to an EngineCore, wherever it runs (vLLM v1's shape).
+
+    Requests go in the same way for every client (`add_request`, `abort_requests`, `stop_sequence`:
+    they never block). Outputs and utility calls come back through blocking methods (`get_output`,
+    `call_utility`: InprocClient, SyncMPClient) or their `*_async` twins (AsyncMPClient); a client
+    raises NotImplementedError for the half it was not made for. The named utilities (`get_stats`,
+    `collective_rpc`, `reset_prefix_cache`) are defined once, here, over those two calls (an async
+    twin where an asyncio caller needs one).
+    """
+
+    # The core's counters when it became ready (before any request).
+    initial_stats: SchedulerStats
 
     @staticmethod
-    def make_client(config: EngineConfig, multiprocess: bool) -> EngineCoreClient:
-        return SyncMPClient(config) if multiprocess else InprocClient(config)
+    def make_client(
+        config: ResolvedEngineConfig,
+        multiprocess: bool,
+        asyncio_mode: bool = False,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+    ) -> EngineCoreClient:
+        """The in-process client, or a client of a core process (blocking or asyncio)."""
+        if asyncio_mode:
+            return AsyncMPClient(config, ready_timeout_s)
+        return SyncMPClient(config, ready_timeout_s) if multiprocess else InprocClient(config)
+
+    @property
+    @abc.abstractmethod
+    def idle_report_is_current(self) -> bool:
+        """Whether an idle report from `get_output` covers every message sent before the call. True
+        in process, where the call runs the step; a core process may report before a request that
+        is still on its way to it arrives."""
+
+    @property
+    @abc.abstractmethod
+    def errored(self) -> bool:
+        """Whether the core has failed or is gone."""
+
+    @abc.abstractmethod
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the core failed or its process is gone."""
 
     @abc.abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -75,26 +105,57 @@ class EngineCoreClient(abc.ABC):
         """The front end matched a stop string: the core finishes that sequence and frees its blocks."""
 
     @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
     def get_output(self) -> EngineCoreOutputs:
         """The next step's outputs (blocking until there are some)."""
+        raise NotImplementedError(f"{type(self).__name__} has no blocking get_output")
 
-    @abc.abstractmethod
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next step's outputs; raises EngineDeadError once the core is gone."""
+        raise NotImplementedError(f"{type(self).__name__} has no get_output_async")
+
+    def call_utility(self, method: str, *args: Any, result_type: type[T] = Any) -> T:
+        """An EngineCore method's result, after every message sent before this call."""
+        raise NotImplementedError(f"{type(self).__name__} has no blocking call_utility")
+
+    async def call_utility_async(self, method: str, *args: Any, result_type: type[T] = Any) -> T:
+        raise NotImplementedError(f"{type(self).__name__} has no call_utility_async")
+
     def get_stats(self) -> SchedulerStats:
         """The scheduler's counters now, after every message sent before this call."""
+        return self.call_utility("get_stats", result_type=SchedulerStats)
 
-    @abc.abstractmethod
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """A Worker method's results on every rank, in rank order."""
+        return self.call_utility("collective_rpc", method, list(args))
 
-    @abc.abstractmethod
-    def shutdown(self) -> None: ...
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds KV blocks."""
+        return self.call_utility("reset_prefix_cache", result_type=bool)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return await self.call_utility_async("reset_prefix_cache", result_type=bool)
 
 
 class InprocClient(EngineCoreClient):
     """Runs the EngineCore in the caller's process and thread: each `get_output` is one step."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: ResolvedEngineConfig) -> None:
         self.engine_core = EngineCore(config)
+        self.initial_stats = self.engine_core.get_stats()
+
+    @property
+    def idle_report_is_current(self) -> bool:
+        return True
+
+    # An in-process core cannot die apart from its caller: its errors raise in the caller's thread.
+    @property
+    def errored(self) -> bool:
+        return False
+
+    def check_alive(self) -> None:
+        return None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
@@ -108,17 +169,14 @@ class InprocClient(EngineCoreClient):
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
 
-    def get_stats(self) -> SchedulerStats:
-        return self.engine_core.get_stats()
-
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        return self.engine_core.collective_rpc(method, args)
+    def call_utility(self, method: str, *args: Any, result_type: type[T] = Any) -> T:
+        return getattr(self.engine_core, method)(*args)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
 
-class MPClient:
+class MPClient(EngineCoreClient):
     """Starts a core process and holds the two sockets to it; what the sync and async clients share.
 
     The client binds the output socket before the process starts, and connects the input socket
@@ -126,7 +184,9 @@ class MPClient:
     messages even while its peer is away, and has no high-water mark here, so sending never blocks.
     """
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
+    def __init__(
+        self, config: ResolvedEngineConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    ) -> None:
         self._zmq = zmq.Context()
         # Unsent messages to a dead core must never hold up closing (or collecting) the sockets.
         self._zmq.linger = 0
@@ -154,6 +214,10 @@ class MPClient:
     def socket_dir(self) -> str:
         """The private directory of this engine's ipc:// sockets."""
         return self._process.socket_dir
+
+    @property
+    def idle_report_is_current(self) -> bool:
+        return False
 
     @property
     def errored(self) -> bool:
@@ -186,7 +250,7 @@ class MPClient:
 
     def _send(self, kind: EngineCoreRequestType, message: msgspec.Struct) -> None:
         self.check_alive()
-        self._input.send_multipart((kind.value, self._encoder.encode(message)), copy=False)
+        self._input.send_multipart(encode_message(self._encoder, kind, message), copy=False)
 
     def _send_utility(self, method: str, args: tuple) -> int:
         call_id = next(self._call_ids)
@@ -195,9 +259,7 @@ class MPClient:
 
     def _decode(self, frames: list[zmq.Frame]) -> tuple[EngineCoreOutputType, Any]:
         """A message from the core; a FAILURE marks the engine dead and raises."""
-        kind_frame, body = frames
-        kind = EngineCoreOutputType(kind_frame.bytes)
-        message = _DECODERS[kind].decode(body.buffer)
+        kind, message = _FROM_CORE.decode(frames)
         if kind is EngineCoreOutputType.FAILURE:
             self._dead_error = EngineDeadError(f"EngineCore encountered an error: {message.message}")
             raise self._dead_error
@@ -228,10 +290,12 @@ class MPClient:
         return msgspec.msgpack.decode(output.result, type=result_type)
 
 
-class SyncMPClient(MPClient, EngineCoreClient):
+class SyncMPClient(MPClient):
     """The blocking client LLMEngine uses for a core in its own process."""
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
+    def __init__(
+        self, config: ResolvedEngineConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    ) -> None:
         super().__init__(config, ready_timeout_s)
         # Step outputs that arrived while a utility call waited for its answer.
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
@@ -244,12 +308,6 @@ class SyncMPClient(MPClient, EngineCoreClient):
             if kind is EngineCoreOutputType.OUTPUTS:
                 return message
             # (A utility answer whose caller gave up, e.g. interrupted: nobody waits for it.)
-
-    def get_stats(self) -> SchedulerStats:
-        return self.call_utility("get_stats", result_type=SchedulerStats)
-
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        return self.call_utility("collective_rpc", method, list(args))
 
     def call_utility(self, method: str, *args: Any, result_type: type[T] = Any) -> T:
         call_id = self._send_utility(method, args)
@@ -276,7 +334,9 @@ class AsyncMPClient(MPClient):
     used from another event loop (a second `asyncio.run`), it starts again there.
     """
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> None:
+    def __init__(
+        self, config: ResolvedEngineConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    ) -> None:
         super().__init__(config, ready_timeout_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async_output: zmq.asyncio.Socket | None = None

@@ -3,7 +3,7 @@
 The main thread runs the step loop. One thread reads and decodes messages from the input socket, one
 encodes and writes outputs to the output socket: (de)serialization overlaps the forward pass (torch
 releases the GIL), and a slow front end never stalls a step. Messages are msgspec Structs
-(engine/outputs.py), two frames each: type, body. Nothing from a socket is ever unpickled.
+(engine/outputs.py), two frames each (engine/core_wire.py): type, body.
 
 Lifecycle: the parent spawns `run_engine_core`, which builds the EngineCore (executor, workers,
 model, KV cache) and answers READY, or FAILURE with the error's message. An exception in the step
@@ -25,16 +25,14 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
+from engine.config import ResolvedEngineConfig
 from engine.core import EngineCore
+from engine.core_wire import MessageDecoder, encode_message
 from engine.outputs import (
-    AbortRequests,
     EngineCoreFailure,
     EngineCoreOutputType,
     EngineCoreReady,
-    EngineCoreRequest,
     EngineCoreRequestType,
-    StopSequence,
     UtilityOutput,
     UtilityRequest,
 )
@@ -43,18 +41,13 @@ logger = logging.getLogger(__name__)
 
 # The EngineCore methods a client may call by name (UtilityRequest), nothing else. collective_rpc
 # reaches Worker methods; the client is this engine's own front end, over a private ipc:// socket.
-UTILITY_METHODS = frozenset({"get_stats", "check_health", "collective_rpc"})
+UTILITY_METHODS = frozenset({"get_stats", "check_health", "collective_rpc", "reset_prefix_cache"})
 # How often an idle core checks that its parent is still alive (a busy one checks every step).
 _PARENT_CHECK_S = 1.0
 # How long the last outputs (a FAILURE message above all) may take to reach the client at exit.
 _FLUSH_LINGER_MS = 2000
 
-_DECODERS = {
-    EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
-    EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(AbortRequests),
-    EngineCoreRequestType.STOP_SEQUENCE: msgspec.msgpack.Decoder(StopSequence),
-    EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(UtilityRequest),
-}
+_TO_CORE = MessageDecoder(EngineCoreRequestType)
 
 
 class EngineCoreProc:
@@ -77,7 +70,7 @@ class EngineCoreProc:
         self._writer.start()
         self.engine_core: EngineCore | None = None
 
-    def start(self, config: EngineConfig, input_address: str) -> None:
+    def start(self, config: ResolvedEngineConfig, input_address: str) -> None:
         """Build the EngineCore, open the input socket, and tell the client it is ready."""
         self.engine_core = EngineCore(config)
         # Bound here, before READY, so that the client's first message finds it; the reader
@@ -174,9 +167,7 @@ class EngineCoreProc:
     def _read_inputs(self, socket: zmq.Socket) -> None:
         try:
             while True:
-                kind_frame, body = socket.recv_multipart(copy=False)
-                kind = EngineCoreRequestType(kind_frame.bytes)
-                self._inputs.put((kind, _DECODERS[kind].decode(body.buffer)))
+                self._inputs.put(_TO_CORE.decode(socket.recv_multipart(copy=False)))
         except zmq.ContextTerminated:
             pass
         except Exception as exc:
@@ -192,7 +183,7 @@ class EngineCoreProc:
         try:
             while (item := self._outputs.get()) is not None:
                 kind, message = item
-                socket.send_multipart((kind.value, encoder.encode(message)), copy=False)
+                socket.send_multipart(encode_message(encoder, kind, message), copy=False)
         except Exception as exc:
             logger.exception("EngineCore: cannot send outputs")
             self._inputs.put((None, exc))  # the step loop raises it and the process exits
@@ -219,7 +210,7 @@ def run_engine_core(config_json: str, input_address: str, output_address: str, l
     proc = EngineCoreProc(output_address)
     exit_code = 0
     try:
-        proc.start(EngineConfig.model_validate_json(config_json), input_address)
+        proc.start(ResolvedEngineConfig.model_validate_json(config_json), input_address)
         proc.run_busy_loop()
     except SystemExit:
         pass

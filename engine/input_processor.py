@@ -10,6 +10,7 @@ from typing import Any, Union
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
+from engine.config import ResolvedEngineConfig
 from engine.outputs import EngineCoreRequest
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -38,6 +39,23 @@ class InputProcessor:
         self.eos_token_id = eos_token_id
         # Further end-of-sequence ids from the generation config stop a request like stop_token_ids.
         self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != eos_token_id)
+
+    @classmethod
+    def from_config(cls, config: ResolvedEngineConfig, tokenizer: PreTrainedTokenizerBase) -> InputProcessor:
+        """The processor for the model `config` names, with its limits."""
+        arch = config.model.hf_config
+        eos = tokenizer.eos_token_id
+        if eos is None and arch.eos_token_ids:
+            eos = arch.eos_token_ids[0]
+        return cls(
+            tokenizer,
+            config.model.max_model_len,
+            arch.vocab_size,
+            eos,
+            arch.eos_token_ids,
+            max_logprobs=config.model.max_logprobs,
+            max_num_seqs=config.scheduler.max_num_seqs,
+        )
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text if known, prompt token ids)."""

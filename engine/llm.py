@@ -114,6 +114,11 @@ class LLM:
         """Running and waiting requests, KV cache usage and size, preemptions, prefix-cache counters."""
         return self.llm_engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name), so that the next requests compute theirs again;
+        False, changing nothing, while a request still holds KV blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def _run(
         self,
         prompts: list[PromptType],

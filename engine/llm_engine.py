@@ -9,10 +9,11 @@ from typing import Any
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import EngineConfig
-from engine.core_client import EngineCoreClient, InprocClient
+from engine.config import EngineConfig, ResolvedEngineConfig
+from engine.config_resolve import resolve_engine_config
+from engine.core_client import EngineCoreClient
 from engine.input_processor import InputProcessor, PromptType
-from engine.models.model_files import read_arch_config, resolve_engine_config, resolve_model_source
+from engine.models.model_files import ModelSource
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
@@ -21,28 +22,14 @@ from engine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-def build_front_end(config: EngineConfig) -> tuple[EngineConfig, PreTrainedTokenizerBase, InputProcessor]:
-    """Resolve the config (model path, dtype, max_model_len) and load what the front end needs:
+def build_front_end(
+    config: EngineConfig,
+) -> tuple[ResolvedEngineConfig, PreTrainedTokenizerBase, InputProcessor]:
+    """Resolve the config (once: a resolved one passes through) and load what the front end needs:
     the tokenizer and the input processor that tokenizes and validates requests."""
     config = resolve_engine_config(config)
-    source = resolve_model_source(config.model.model)
-    arch = read_arch_config(source)
-    tokenizer = load_tokenizer(source, config.model.tokenizer)
-    eos = tokenizer.eos_token_id
-    if eos is None and arch.eos_token_ids:
-        eos = arch.eos_token_ids[0]
-    max_model_len = config.model.max_model_len
-    assert max_model_len is not None
-    input_processor = InputProcessor(
-        tokenizer,
-        max_model_len,
-        arch.vocab_size,
-        eos,
-        arch.eos_token_ids,
-        max_logprobs=config.model.max_logprobs,
-        max_num_seqs=config.scheduler.max_num_seqs,
-    )
-    return config, tokenizer, input_processor
+    tokenizer = load_tokenizer(ModelSource.of(config.model), config.model.tokenizer)
+    return config, tokenizer, InputProcessor.from_config(config, tokenizer)
 
 
 class LLMEngine:
@@ -60,7 +47,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         if multiprocess_mode is None:
             multiprocess_mode = self.config.parallel.executor_backend != "uni"
-        self.engine_core: EngineCoreClient = EngineCoreClient.make_client(self.config, multiprocess_mode)
+        self.engine_core = EngineCoreClient.make_client(self.config, multiprocess_mode)
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> LLMEngine:
@@ -98,11 +85,9 @@ class LLMEngine:
         outputs = self.engine_core.get_output()
         stats = outputs.scheduler_stats
         idle = stats is not None and not stats.num_running_reqs + stats.num_waiting_reqs
-        # An in-process core answers at once, so an idle answer with nothing in it is the truth:
-        # the core lost the requests the front end waits for; fail loudly rather than spin forever.
-        # (A core process reports its state after every add, abort or stop even when idle, so an
-        # idle report from it may predate requests still on their way to it.)
-        if isinstance(self.engine_core, InprocClient) and idle and not outputs.outputs:
+        # When the report is current, an idle one with nothing in it is the truth: the core lost the
+        # requests the front end waits for; fail loudly rather than spin forever.
+        if self.engine_core.idle_report_is_current and idle and not outputs.outputs:
             lost = sorted(self.output_processor.requests)
             self.output_processor.abort_requests(lost)
             raise RuntimeError(f"the engine core finished requests {lost} without reporting them")
@@ -123,6 +108,10 @@ class LLMEngine:
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """A Worker method's results on every rank, in rank order (vLLM's LLM.collective_rpc)."""
         return self.engine_core.collective_rpc(method, args)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds KV blocks."""
+        return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

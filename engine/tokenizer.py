@@ -63,10 +63,27 @@ def render_chat_prompt(
     conversation: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
 ) -> dict[str, Any]:
-    """A conversation in the model's chat template, as a prompt with its text and token ids."""
-    text = tokenizer.apply_chat_template(
-        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-    )
-    # The template already wrote the special tokens; tokenizing must not add them twice.
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+    """A conversation in the model's chat template, as a prompt with its text and token ids.
+
+    `template_kwargs` are further template variables (a server's client may send them). The
+    template writes the special tokens itself, so by default tokenizing adds none. Raises
+    jinja2.TemplateError when the template fails on the conversation.
+    """
+    options = {
+        **(template_kwargs or {}),
+        # Ours win over the given kwargs: the text, not ids, must come back.
+        "tokenize": False,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+    }
+    if chat_template is not None:
+        options["chat_template"] = chat_template
+    text = tokenizer.apply_chat_template(conversation, **options)
+    return {
+        "prompt": text,
+        "prompt_token_ids": tokenizer(text, add_special_tokens=add_special_tokens).input_ids,
+    }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import math
 import random
@@ -78,7 +79,21 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--plot", type=Path, metavar="PNG", help="latency against rate (default: next to the JSON)"
     )
-    parser.set_defaults(handler=run, command_parser=parser)
+    parser.set_defaults(handler=run, command_parser=parser, check_args=check_args)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Fail before the benchmark runs when the plot it would draw cannot be drawn."""
+    if len(args.request_rate) > 1:
+        require_matplotlib()
+
+
+def require_matplotlib() -> None:
+    """matplotlib is an optional extra: only this plot needs it."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(
+            "plotting latency against several request rates needs matplotlib: pip install 'raypage[bench]'"
+        )
 
 
 def make_prompts(num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
@@ -247,6 +262,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 def plot_latency(runs: list[dict[str, Any]], path: Path) -> None:
     """Median TTFT, TPOT and end-to-end latency against request rate (inf drawn at the right end)."""
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a server

@@ -15,7 +15,7 @@ from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, served_model_names
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.models.model_files import resolve_engine_config
+from engine.config_resolve import resolve_engine_config
 
 API_KEY_ENV = "RAYPAGE_API_KEY"
 # Seconds that in-flight requests get to finish after SIGTERM or Ctrl-C.
@@ -69,9 +69,9 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None:
     """Start the engine core, then serve until SIGINT or SIGTERM; the engine is shut down after."""
     settings = server_settings(args)
-    # Resolved first: the token-count histograms are bucketed up to max_model_len.
+    # Resolved here, once (the engine takes it as it is): the token-count histograms are bucketed
+    # up to max_model_len.
     config = resolve_engine_config(EngineConfig.from_flat(**engine_settings))
-    assert config.model.max_model_len is not None
     prometheus = PrometheusStatLogger(settings.served_model_names[0], config.model.max_model_len)
     log_stats = LoggingStatLogger()
     engine = AsyncLLMEngine.from_config(config, stat_loggers=[prometheus, log_stats])

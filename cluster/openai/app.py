@@ -1,7 +1,7 @@
 """The OpenAI-compatible FastAPI app, built by `build_app(engine, settings)` from any engine client.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version,
-GET /metrics, POST /tokenize, POST /detokenize.
+GET /metrics, POST /tokenize, POST /detokenize, POST /reset_prefix_cache.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.engine_client import EngineClient
-from cluster.openai.errors import install_error_handlers
+from cluster.openai.errors import OpenAIError, install_error_handlers
 from cluster.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from cluster.openai.protocol import (
     ChatCompletionRequest,
@@ -96,7 +97,7 @@ def build_app(
     `prometheus` and `log_stats` are the stat loggers the engine was started with; without
     `prometheus` the app keeps its own, whose gauges /metrics refreshes from `engine.get_stats()`.
     """
-    max_model_len = engine.config.model.max_model_len or 0
+    max_model_len = engine.config.model.max_model_len
     prometheus = prometheus or PrometheusStatLogger(settings.served_model_names[0], max_model_len)
     completion = OpenAIServingCompletion(engine, settings.served_model_names)
     chat = OpenAIServingChat(engine, settings.served_model_names)
@@ -127,7 +128,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        root = engine.config.model.model or ""
+        root = engine.config.model.model
         cards = [
             ModelCard(id=name, root=root, max_model_len=max_model_len) for name in settings.served_model_names
         ]
@@ -144,6 +145,15 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         await engine.check_health()  # EngineDeadError -> 503
+        return Response(status_code=200)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Forget the cached prefixes (vLLM's route): 200 once done; 409 while requests hold blocks."""
+        if not await engine.reset_prefix_cache():
+            raise OpenAIError(
+                HTTPStatus.CONFLICT, "The prefix cache cannot be reset while requests are running; retry"
+            )
         return Response(status_code=200)
 
     @app.get("/version")

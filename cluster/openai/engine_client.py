@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import EngineConfig
+from engine.config import ResolvedEngineConfig
 from engine.input_processor import InputProcessor, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 class EngineClient(Protocol):
     """The async engine interface of `engine.async_llm_engine.AsyncLLMEngine`."""
 
-    config: EngineConfig  # resolved: the model path and max_model_len are concrete
+    config: ResolvedEngineConfig
     tokenizer: PreTrainedTokenizerBase
     input_processor: InputProcessor
 
@@ -30,6 +30,10 @@ class EngineClient(Protocol):
 
     async def check_health(self) -> None:
         """Raises EngineDeadError when the engine cannot serve."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds KV blocks."""
         ...
 
     @property

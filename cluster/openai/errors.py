@@ -2,7 +2,8 @@
 
 Every failure a client can see is `{"error": {"message", "type", "param", "code"}}` with the
 matching status: 400 for bad requests (malformed JSON, invalid fields, prompts over the context),
-401 for a missing or wrong API key, 404 for an unknown model or route, 413 for oversized bodies,
+401 for a missing or wrong API key, 404 for an unknown model or route, 409 for a prefix-cache reset
+while requests run, 413 for oversized bodies,
 503 when the engine is dead, 500 for anything unexpected (whose traceback the server logs).
 """
 
@@ -25,6 +26,7 @@ _ERROR_TYPES = {
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
     HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.CONFLICT: "ConflictError",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",

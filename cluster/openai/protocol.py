@@ -9,7 +9,7 @@ of being ignored silently.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -248,25 +248,39 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
-    """One sequence of a completion, or one sequence's delta in a stream chunk."""
+class ChoiceBase(BaseModel):
+    """What every choice (or streamed choice delta) says: which one it is, and why it ended."""
 
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
-    """A whole completion (`object` "text_completion"); stream chunks have the same shape."""
+ChoiceT = TypeVar("ChoiceT", bound=ChoiceBase)
+
+
+class ResponseBase(BaseModel, Generic[ChoiceT]):
+    """What every completion response and stream chunk says; `object` names its kind."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[ChoiceT]
     usage: UsageInfo | None = None
+
+
+class CompletionChoice(ChoiceBase):
+    """One sequence of a completion, or one sequence's delta in a stream chunk."""
+
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(ResponseBase[CompletionChoice]):
+    """A whole completion (`object` "text_completion"); stream chunks have the same shape."""
+
+    object: Literal["text_completion"] = "text_completion"
 
 
 class ChatTokenLogprob(BaseModel):
@@ -296,25 +310,18 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatCompletionChoice(ChoiceBase):
     """One sequence of a chat completion."""
 
-    index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(ResponseBase[ChatCompletionChoice]):
     """A whole chat completion."""
 
-    id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
+    usage: UsageInfo  # always, unlike a stream chunk's
 
 
 class DeltaMessage(BaseModel):
@@ -329,25 +336,17 @@ class DeltaMessage(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
-class ChatCompletionStreamChoice(BaseModel):
+class ChatCompletionStreamChoice(ChoiceBase):
     """One choice's delta in a chat stream chunk."""
 
-    index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(ResponseBase[ChatCompletionStreamChoice]):
     """One chat stream chunk (`object` "chat.completion.chunk")."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

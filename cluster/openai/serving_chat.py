@@ -22,10 +22,9 @@ from cluster.openai.protocol import (
     ChatTokenLogprob,
     DeltaMessage,
 )
-from cluster.openai.serving_engine import EnginePrompt, OpenAIServing, raise_on_error, random_id, usage
-from cluster.openai.streaming import SSEResponse, run_until_disconnect, sse_stream
+from cluster.openai.serving_engine import OpenAIServing, ServingCall, raise_on_error, random_id, usage
 from engine.logprobs import Logprob
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput
 
 ROLE = "assistant"
 
@@ -75,24 +74,14 @@ class OpenAIServingChat(OpenAIServing):
         self.validate(prompt, params)
         request_id = random_id("chatcmpl")
         outputs = self.generate(request_id, [prompt], [params], request.priority)
-        if request.stream:
-            return SSEResponse(sse_stream(self._stream(request, model, request_id, prompt, outputs)))
-        response = await run_until_disconnect(
-            raw_request, self._collect(request, model, request_id, prompt, outputs)
-        )
-        return Response(response.model_dump_json(), media_type="application/json") if response else None
+        call = ServingCall(request, model, request_id, [prompt], outputs)
+        return await self.respond(call, raw_request, self._stream, self._collect)
 
-    async def _collect(
-        self,
-        request: ChatCompletionRequest,
-        model: str,
-        request_id: str,
-        prompt: EnginePrompt,
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
-    ) -> ChatCompletionResponse:
+    async def _collect(self, call: ServingCall[ChatCompletionRequest]) -> ChatCompletionResponse:
+        request = call.request
         final = None
-        async with contextlib.aclosing(outputs):
-            async for _, output in outputs:
+        async with contextlib.aclosing(call.outputs):
+            async for _, output in call.outputs:
                 raise_on_error(output)
                 final = output
         assert final is not None, "the engine ended a request without a final output"
@@ -108,29 +97,26 @@ class OpenAIServingChat(OpenAIServing):
         ]
         num_generated = sum(len(seq.token_ids) for seq in final.outputs)
         return ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage([prompt], num_generated)
+            id=call.request_id, model=call.model, choices=choices, usage=usage(call.prompts, num_generated)
         )
 
     async def _stream(
-        self,
-        request: ChatCompletionRequest,
-        model: str,
-        request_id: str,
-        prompt: EnginePrompt,
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        self, call: ServingCall[ChatCompletionRequest]
     ) -> AsyncIterator[ChatCompletionStreamResponse]:
         """The role of every choice first, then a chunk per content delta, each choice's last one
         with its finish reason; then the usage."""
 
+        request = call.request
+
         def chunk(*choices: ChatCompletionStreamChoice) -> ChatCompletionStreamResponse:
-            return ChatCompletionStreamResponse(id=request_id, model=model, choices=list(choices))
+            return ChatCompletionStreamResponse(id=call.request_id, model=call.model, choices=list(choices))
 
         for index in range(request.n):
             yield chunk(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role=ROLE, content="")))
         finished: set[int] = set()
         num_generated = 0
-        async with contextlib.aclosing(outputs):
-            async for _, output in outputs:
+        async with contextlib.aclosing(call.outputs):
+            async for _, output in call.outputs:
                 raise_on_error(output)
                 for seq in output.outputs:
                     if seq.index in finished:
@@ -153,5 +139,7 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     )
         if request.include_usage:
-            final_usage = usage([prompt], num_generated)
-            yield ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=final_usage)
+            final_usage = usage(call.prompts, num_generated)
+            yield ChatCompletionStreamResponse(
+                id=call.request_id, model=call.model, choices=[], usage=final_usage
+            )

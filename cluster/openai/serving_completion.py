@@ -17,8 +17,14 @@ from cluster.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from cluster.openai.serving_engine import EnginePrompt, OpenAIServing, raise_on_error, random_id, usage
-from cluster.openai.streaming import SSEResponse, run_until_disconnect, sse_stream
+from cluster.openai.serving_engine import (
+    EnginePrompt,
+    OpenAIServing,
+    ServingCall,
+    raise_on_error,
+    random_id,
+    usage,
+)
 from engine.logprobs import Logprob
 from engine.outputs import CompletionOutput, RequestOutput
 
@@ -54,12 +60,8 @@ class OpenAIServingCompletion(OpenAIServing):
             params.append(prompt_params)
         request_id = random_id("cmpl")
         outputs = self.generate(request_id, prompts, params, request.priority)
-        if request.stream:
-            return SSEResponse(sse_stream(self._stream(request, model, request_id, prompts, outputs)))
-        response = await run_until_disconnect(
-            raw_request, self._collect(request, model, request_id, prompts, outputs)
-        )
-        return Response(response.model_dump_json(), media_type="application/json") if response else None
+        call = ServingCall(request, model, request_id, prompts, outputs)
+        return await self.respond(call, raw_request, self._stream, self._collect)
 
     def _tokenize(self, request: CompletionRequest) -> list[EnginePrompt]:
         raw = request.prompt
@@ -79,17 +81,11 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt.text = self.tokenizer.decode(prompt.token_ids)
         return prompt.text
 
-    async def _collect(
-        self,
-        request: CompletionRequest,
-        model: str,
-        request_id: str,
-        prompts: list[EnginePrompt],
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
-    ) -> CompletionResponse:
+    async def _collect(self, call: ServingCall[CompletionRequest]) -> CompletionResponse:
+        request, prompts = call.request, call.prompts
         finals: dict[int, RequestOutput] = {}
-        async with contextlib.aclosing(outputs):
-            async for index, output in outputs:
+        async with contextlib.aclosing(call.outputs):
+            async for index, output in call.outputs:
                 raise_on_error(output)
                 finals[index] = output
         choices = []
@@ -104,7 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         choices.sort(key=lambda choice: choice.index)
         return CompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage(prompts, num_generated)
+            id=call.request_id, model=call.model, choices=choices, usage=usage(prompts, num_generated)
         )
 
     def _choice(
@@ -159,21 +155,15 @@ class OpenAIServingCompletion(OpenAIServing):
             text_offset += len(token)
         return result
 
-    async def _stream(
-        self,
-        request: CompletionRequest,
-        model: str,
-        request_id: str,
-        prompts: list[EnginePrompt],
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
-    ) -> AsyncIterator[CompletionResponse]:
+    async def _stream(self, call: ServingCall[CompletionRequest]) -> AsyncIterator[CompletionResponse]:
         """A chunk per choice delta, the choice's last one with its finish reason; then the usage."""
+        request, prompts = call.request, call.prompts
         states: dict[int, _ChoiceState] = {}
         # A delta carries the prompt's logprobs once; every echoing choice of the prompt needs them.
         prompt_logprobs: dict[int, list[PositionLogprobs]] = {}
         num_generated = 0
-        async with contextlib.aclosing(outputs):
-            async for prompt_index, output in outputs:
+        async with contextlib.aclosing(call.outputs):
+            async for prompt_index, output in call.outputs:
                 raise_on_error(output)
                 if output.prompt_logprobs:
                     prompt_logprobs[prompt_index] = output.prompt_logprobs
@@ -194,8 +184,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                     state.started, state.finished = True, seq.finish_reason is not None
                     state.text_offset += len(choice.text)
-                    yield CompletionResponse(id=request_id, model=model, choices=[choice])
+                    yield CompletionResponse(id=call.request_id, model=call.model, choices=[choice])
         if request.include_usage:
             yield CompletionResponse(
-                id=request_id, model=model, choices=[], usage=usage(prompts, num_generated)
+                id=call.request_id, model=call.model, choices=[], usage=usage(prompts, num_generated)
             )

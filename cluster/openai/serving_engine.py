@@ -6,18 +6,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jinja2
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
 
 from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError
 from cluster.openai.protocol import ChatMessage, UsageInfo
-from cluster.openai.streaming import merge_streams
+from cluster.openai.streaming import SSEResponse, merge_streams, run_until_disconnect, sse_stream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import render_chat_prompt
 
 
 @dataclasses.dataclass
@@ -26,6 +30,21 @@ class EnginePrompt:
 
     token_ids: list[int]
     text: str | None = None
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+@dataclasses.dataclass
+class ServingCall(Generic[RequestT]):
+    """One API call in flight: what the client asked, the model name it addressed, the response's
+    id, its tokenized prompts, and the engine's outputs for them (tagged with the prompt index)."""
+
+    request: RequestT
+    model: str
+    request_id: str
+    prompts: list[EnginePrompt]
+    outputs: AsyncIterator[tuple[int, RequestOutput]]
 
 
 def random_id(prefix: str) -> str:
@@ -39,9 +58,7 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.tokenizer = engine.tokenizer
-        max_model_len = engine.config.model.max_model_len
-        assert max_model_len is not None, "the engine's config must be resolved"
-        self.max_model_len = max_model_len
+        self.max_model_len = engine.config.model.max_model_len
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name a request addresses (the first one when it names none); 404 otherwise."""
@@ -83,24 +100,35 @@ class OpenAIServing:
         template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
     ) -> EnginePrompt:
-        """Messages rendered with the tokenizer's chat template, then tokenized.
-
-        The template writes the special tokens itself, so by default tokenizing adds none.
-        """
-        options = {
-            **(template_kwargs or {}),
-            # Ours win over the client's template kwargs: the text, not ids, must come back.
-            "tokenize": False,
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-        }
+        """Messages rendered with the tokenizer's chat template, then tokenized; 400 if the template fails."""
         try:
-            text = self.tokenizer.apply_chat_template([m.template_dict() for m in messages], **options)
+            prompt = render_chat_prompt(
+                self.tokenizer,
+                [m.template_dict() for m in messages],
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
+                add_special_tokens=add_special_tokens,
+            )
         except jinja2.TemplateError as exc:
             raise OpenAIError(
                 HTTPStatus.BAD_REQUEST, f"The chat template failed: {exc}", "messages"
             ) from None
-        return EnginePrompt(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids, text)
+        return EnginePrompt(prompt["prompt_token_ids"], prompt["prompt"])
+
+    async def respond(
+        self,
+        call: ServingCall,
+        raw_request: Request,
+        stream: Callable[[ServingCall], AsyncIterator[BaseModel]],
+        collect: Callable[[ServingCall], Awaitable[BaseModel]],
+    ) -> Response | None:
+        """Server-sent events of `stream(call)` when the client asked for a stream, else the JSON of
+        `collect(call)`; None (nobody to answer) once the client disconnected."""
+        if getattr(call.request, "stream", False):
+            return SSEResponse(sse_stream(stream(call)))
+        response = await run_until_disconnect(raw_request, collect(call))
+        return Response(response.model_dump_json(), media_type="application/json") if response else None
 
     def validate(self, prompt: EnginePrompt, params: SamplingParams) -> None:
         """The engine's own checks (vocabulary, logprob and sequence limits), run before the

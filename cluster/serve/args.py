@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.openai.app import ServerSettings, served_model_names
-from engine.config import EngineConfig, load_yaml_mapping
+from engine.config import EngineConfig, checked_flat_settings, describe_validation_error
 
 ENGINE_FILE_KEY = "config"
 
@@ -89,18 +87,12 @@ def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
             f"{ENGINE_FILE_KEY!r}, the Serve keys {', '.join(ServeOptions.model_fields)} and the flat "
             f"engine keys {', '.join(EngineConfig.flat_fields())}"
         )
-    engine_settings = {**_read_engine_file(path), **args} if path else args
-    try:
-        engine_config = EngineConfig.from_flat(**engine_settings)
-    except ValidationError as exc:
-        origin = f" (from {path}, overridden by the args)" if path else ""
-        raise ValueError(f"invalid engine settings{origin}: {_describe(exc)}") from None
-    except ValueError as exc:  # an unknown key, which only the file can hold by now
-        raise ValueError(f"{ENGINE_FILE_KEY} {path}: {exc}") from None
+    engine_settings = checked_flat_settings(path, args, ENGINE_FILE_KEY)
+    engine_config = EngineConfig.from_flat(**engine_settings)
     try:
         options = ServeOptions(**option_args)
     except ValidationError as exc:
-        raise ValueError(f"invalid Serve settings: {_describe(exc)}") from None
+        raise ValueError(f"invalid Serve settings: {describe_validation_error(exc)}") from None
     server = ServerSettings(
         served_model_names=served_model_names(options.served_model_name, engine_config.model.model),
         api_key=options.api_key or None,
@@ -108,19 +100,3 @@ def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
         log_stats_interval=options.log_stats_interval,
     )
     return ServeAppSettings(engine_settings, engine_config, server, options)
-
-
-def _read_engine_file(path: str) -> dict[str, Any]:
-    try:
-        return load_yaml_mapping(Path(path))
-    except (OSError, yaml.YAMLError, ValueError) as exc:
-        raise ValueError(f"{ENGINE_FILE_KEY} {path}: {exc}") from None
-
-
-def _describe(exc: ValidationError) -> str:
-    """One clause per error, naming the key: 'health_check_period_s: Input should be ... (got 0)'."""
-    clauses = []
-    for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"])
-        clauses.append(f"{key}: {error['msg']} (got {error['input']!r})" if key else error["msg"])
-    return "; ".join(clauses)

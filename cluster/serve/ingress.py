@@ -71,8 +71,15 @@ class DeploymentEngineClient:
                 stream.cancel()
 
     async def check_health(self) -> None:
+        await self._call_replica("check_health")
+
+    async def reset_prefix_cache(self) -> bool:
+        """Resets the cache of the replica the handle picks; with several, each keeps its own."""
+        return await self._call_replica("reset_prefix_cache")
+
+    async def _call_replica(self, method: str) -> Any:
         try:
-            await self._handle.check_health.remote()
+            return await getattr(self._handle, method).remote()
         except Exception as exc:
             raise engine_error(exc) from None
 

@@ -20,8 +20,8 @@ from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import log_stats_periodically
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
+from engine.config_resolve import resolve_engine_config
 from engine.input_processor import PromptType
-from engine.models.model_files import resolve_engine_config
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -47,9 +47,9 @@ class LLMServer:
         stream_batch_interval_s: float = 0.0,
     ) -> None:
         self._stream_batch_interval_s = stream_batch_interval_s
-        # Resolved first: the token-count histograms are bucketed up to max_model_len.
+        # Resolved here, once (the engine takes it as it is): the token-count histograms are bucketed
+        # up to max_model_len.
         config = resolve_engine_config(EngineConfig.from_flat(**engine_settings))
-        assert config.model.max_model_len is not None
         self._prometheus = PrometheusStatLogger(served_model_name, config.model.max_model_len)
         log_stats = LoggingStatLogger()
         # Blocks this replica's event loop until the engine is ready: it has nothing to serve before.
@@ -85,6 +85,10 @@ class LLMServer:
     async def check_health(self) -> None:
         """Serve's health-check hook: raises EngineDeadError once the engine cannot serve."""
         await self.engine.check_health()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget this replica's cached prefixes; False while a request holds KV blocks."""
+        return await self.engine.reset_prefix_cache()
 
     def get_state(self) -> EngineState:
         errored = self.engine.errored

@@ -13,13 +13,12 @@ import time
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
+from engine.config import ResolvedEngineConfig
 from engine.forward_context import set_forward_context
 from engine.kv_cache_manager import cdiv
-from engine.models.arch_config import ArchConfig
 from engine.models.layers import PagedAttention
 from engine.models.loader import load_model
-from engine.models.model_files import resolve_model_source
+from engine.models.model_files import ModelSource
 from engine.outputs import (
     LogprobsLists,
     ModelRunnerOutput,
@@ -42,16 +41,14 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Owns the model and the persistent batch of one worker."""
 
-    def __init__(self, config: EngineConfig, arch: ArchConfig, device: torch.device) -> None:
+    def __init__(self, config: ResolvedEngineConfig, device: torch.device) -> None:
         self.config = config
-        self.arch = arch
+        self.arch = config.model.hf_config
         self.device = device
         self.dtype: torch.dtype = getattr(torch, config.model.dtype)
         self.block_size = config.cache.block_size
-        max_model_len = config.model.max_model_len
-        assert max_model_len is not None, "resolve_engine_config() sets max_model_len"
         self.input_batch = InputBatch(
-            config.scheduler.max_num_seqs, cdiv(max_model_len, self.block_size), device
+            config.scheduler.max_num_seqs, cdiv(config.model.max_model_len, self.block_size), device
         )
         generator = torch.Generator(device=device)
         generator.manual_seed(config.model.seed)
@@ -63,9 +60,12 @@ class ModelRunner:
         self.forward_times: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
 
     def load_model(self) -> None:
-        source = resolve_model_source(self.config.model.model)
         self.model = load_model(
-            source, self.arch, self.dtype, self.device, self.config.parallel.pipeline_partition
+            ModelSource.of(self.config.model),
+            self.arch,
+            self.dtype,
+            self.device,
+            self.config.parallel.pipeline_partition,
         )
 
     # ---- one step ------------------------------------------------------------------------------

@@ -11,8 +11,7 @@ import os
 
 import torch
 
-from engine.config import EngineConfig
-from engine.models.model_files import read_arch_config, resolve_model_source
+from engine.config import ResolvedEngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cache_engine import CacheEngine
 from engine.worker.memory import DEFAULT_CPU_KV_CACHE_BYTES, GiB, profile_cuda_memory, profile_host_memory
@@ -28,7 +27,7 @@ class Worker:
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: ResolvedEngineConfig,
         rank: int = 0,
         local_rank: int = 0,
         distributed_init_method: str | None = None,
@@ -52,8 +51,7 @@ class Worker:
             self.rank,
             self.distributed_init_method,
         )
-        arch = read_arch_config(resolve_model_source(self.config.model.model))
-        self.model_runner = ModelRunner(self.config, arch, self.device)
+        self.model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:
         self.model_runner.load_model()

@@ -1,5 +1,6 @@
 """The `raypage` command: generate, chat and bench run as real subprocesses; flag parsing in-process."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -103,6 +104,21 @@ def test_config_file_key_errors_name_the_file(tmp_path: Path, capsys: pytest.Cap
     error = capsys.readouterr().err
     assert str(path) in error
     assert "'max_num_seq'" in error
+
+
+def test_bench_plot_without_matplotlib_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "matplotlib" else find_spec(name, *args),
+    )
+    with pytest.raises(SystemExit) as exit_info:  # before any request is sent
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--request-rate", "1", "2"])
+    assert exit_info.value.code == 2
+    assert "pip install 'raypage[bench]'" in capsys.readouterr().err
 
 
 def test_only_given_flags_are_forwarded() -> None:

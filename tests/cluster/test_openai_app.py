@@ -43,6 +43,7 @@ class ScriptedEngine:
             tokenizer, MAX_MODEL_LEN, len(tokenizer), tokenizer.eos_token_id
         )
         self.errored = False
+        self.prefix_cache_resettable = True
         self.fail_after: int | None = None
         self.hang = False
         self.closed: list[str] = []
@@ -89,6 +90,9 @@ class ScriptedEngine:
     async def check_health(self) -> None:
         if self.errored:
             raise EngineDeadError("core died")
+
+    async def reset_prefix_cache(self) -> bool:
+        return self.prefix_cache_resettable
 
     def get_stats(self) -> dict:
         return {"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0}
@@ -229,6 +233,15 @@ def test_chunked_body_over_the_limit(engine: ScriptedEngine) -> None:
     response = call(engine, "POST", "/v1/completions", content=chunks())
     assert "content-length" not in response.request.headers
     assert_error(response, 413)
+
+
+def test_reset_prefix_cache_route(engine: ScriptedEngine) -> None:
+    auth = {"Authorization": "Bearer k"}
+    assert_error(call(engine, "POST", "/reset_prefix_cache", api_key="k"), 401)
+    done = call(engine, "POST", "/reset_prefix_cache", api_key="k", headers=auth)
+    assert done.status_code == 200
+    engine.prefix_cache_resettable = False  # requests hold blocks: nothing was reset
+    assert "running" in assert_error(call(engine, "POST", "/reset_prefix_cache", headers=auth), 409)
 
 
 def test_api_key(engine: ScriptedEngine) -> None:

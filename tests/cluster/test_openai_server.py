@@ -272,3 +272,28 @@ def test_client_errors_and_open_routes(server: RemoteServer) -> None:
     assert httpx.get(server.base_url + "/health").status_code == 200
     assert httpx.get(server.base_url + "/metrics").status_code == 200
     assert httpx.get(server.base_url + "/version").status_code == 401
+
+
+def prefix_cache_hits(server: RemoteServer) -> float:
+    """The engine's prefix-cache hits (in tokens) so far, from /metrics."""
+    lines = httpx.get(server.base_url + "/metrics").text.splitlines()
+    return sum(
+        float(line.split()[-1]) for line in lines if line.startswith("raypage:prefix_cache_hits_total")
+    )
+
+
+def test_reset_prefix_cache(server: RemoteServer, client: openai.OpenAI) -> None:
+    prompt = (
+        "A prompt long enough to fill two KV blocks of sixteen tokens, so that its prefix is cached. " * 2
+    )
+
+    def hits_of_one_completion() -> float:
+        before = prefix_cache_hits(server)
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0.0)
+        return prefix_cache_hits(server) - before
+
+    hits_of_one_completion()
+    assert hits_of_one_completion() > 0  # the second request finds the first one's blocks
+    assert httpx.post(server.base_url + "/reset_prefix_cache").status_code == 401
+    assert post(server, "/reset_prefix_cache").status_code == 200
+    assert hits_of_one_completion() == 0  # forgotten: computed again

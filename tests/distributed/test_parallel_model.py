@@ -17,8 +17,8 @@ import time
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.config_resolve import resolve_engine_config
 from engine.exceptions import EngineDeadError
-from engine.models.model_files import resolve_engine_config
 from tests.model.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.slow  # every engine here starts worker processes

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.config_resolve import resolve_engine_config
 from engine.core_client import SyncMPClient
 from engine.exceptions import EngineDeadError, EngineStartupError
-from engine.models.model_files import resolve_engine_config
 from engine.outputs import EngineCoreRequest
 
 from .helpers import PROMPTS, SETTINGS, process_exists, process_is_running, wait_until

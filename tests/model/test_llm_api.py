@@ -132,6 +132,27 @@ def test_get_stats_fields(llm):
     assert stats["prefix_cache_queries"] >= stats["prefix_cache_hits"] > 0
 
 
+def test_reset_prefix_cache(llm):
+    prompt = "A prompt long enough to fill two blocks of sixteen tokens, so that its prefix is cached. " * 2
+
+    def hits_of_one_run() -> int:
+        before = llm.get_stats()["prefix_cache_hits"]
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+        return llm.get_stats()["prefix_cache_hits"] - before
+
+    hits_of_one_run()
+    assert hits_of_one_run() > 0  # the second run finds the first one's blocks
+    assert llm.reset_prefix_cache() is True
+    assert hits_of_one_run() == 0  # forgotten: computed again
+    # While a request holds blocks nothing is forgotten, and the answer says so.
+    engine = llm.llm_engine
+    engine.add_request("holding", prompt, GREEDY)
+    engine.step()
+    assert llm.reset_prefix_cache() is False
+    engine.abort_request("holding")
+    assert hits_of_one_run() > 0
+
+
 def test_engine_config_yaml_round_trip(tmp_path: Path):
     path = tmp_path / "engine.yaml"
     path.write_text("dtype: float32\nnum_kv_blocks: 32\nkv_cache_memory: 1GiB\nmax_num_seqs: 8\n")

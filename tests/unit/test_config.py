@@ -1,11 +1,14 @@
 """Engine config parsing: the packaged YAML, unknown keys, memory sizes."""
 
+import pickle
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
-from engine.config import EngineConfig, parse_memory_size
+from engine.config import EngineConfig, ResolvedEngineConfig, parse_memory_size
+from engine.config_resolve import resolve_engine_config
 
 SMOLLM2_CONFIG = Path(__file__).parents[2] / "configs" / "engine" / "smollm2.yaml"
 
@@ -68,3 +71,21 @@ def test_parse_memory_size_units() -> None:
     assert parse_memory_size("4GiB") == 4 * 2**30
     assert parse_memory_size("1.5 kib") == 1536
     assert parse_memory_size("1e9") == 10**9
+
+
+def test_resolved_config_is_frozen_travels_and_resolves_once() -> None:
+    config = resolve_engine_config(EngineConfig.from_flat(max_model_len=512))
+    assert config.model.model.endswith(".gguf") and config.model.model_format == "gguf"
+    assert config.model.device == "cpu" and config.model.dtype == "bfloat16"
+    assert config.model.max_model_len == 512
+    assert config.model.hf_config.architecture == "LlamaForCausalLM"
+    # The transports to the core process (JSON) and to the workers (pickle) keep every field.
+    assert ResolvedEngineConfig.model_validate_json(config.model_dump_json()) == config
+    assert pickle.loads(pickle.dumps(config)) == config
+    assert resolve_engine_config(config) is config
+    with pytest.raises(ValidationError, match="frozen"):
+        config.model.max_model_len = 1024
+    with pytest.raises(ValidationError, match="frozen"):
+        config.cache.block_size = 32
+    # Its flat form is what EngineConfig reads back (the resolved-only fields stay out).
+    assert EngineConfig.from_flat(**config.to_flat()).model.max_model_len == 512

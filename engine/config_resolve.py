@@ -1,0 +1,110 @@
+"""Settling the "auto" parts of an engine config, once: the one step from `EngineConfig` to
+`ResolvedEngineConfig`.
+
+The model's files are read here and nowhere after: the architecture travels inside the resolved
+config (`config.model.hf_config`), and every later component (the front end, the core, the
+workers) reads it from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from engine.config import EngineConfig, ResolvedEngineConfig, ResolvedModelConfig
+from engine.models.arch_config import ArchConfig
+from engine.models.model_files import read_arch_config, resolve_model_source, valid_tensor_parallel_sizes
+from parallel.pipeline import partition_layers
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_engine_config(config: EngineConfig) -> ResolvedEngineConfig:
+    """`config` with the model path, device, dtype and max_model_len made concrete and the
+    architecture attached; an already resolved config is returned as it is."""
+    if isinstance(config, ResolvedEngineConfig):
+        return config
+    source = resolve_model_source(config.model.model)
+    arch = read_arch_config(source)
+    device = resolve_device(config.model.device)
+    max_model_len = resolve_max_model_len(config.model.max_model_len, arch, str(source.path))
+    check_parallel_layout(config, arch, device)
+    model = ResolvedModelConfig(
+        **{
+            **config.model.model_dump(),
+            "model": str(source.path),
+            "model_format": source.format,
+            "device": device,
+            "dtype": resolve_dtype(config.model.dtype, arch.torch_dtype, device),
+            "max_model_len": max_model_len,
+            "hf_config": arch,
+        }
+    )
+    return ResolvedEngineConfig(
+        model=model, cache=config.cache, scheduler=config.scheduler, parallel=config.parallel
+    )
+
+
+def resolve_device(setting: str) -> str:
+    """ "auto" is CUDA when torch sees a device, else the CPU; asking for an absent CUDA is an error."""
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+    return setting
+
+
+def resolve_dtype(setting: str, checkpoint_dtype: str | None, device: str) -> str:
+    """vLLM's rule for "auto": keep a 16-bit checkpoint's type, run float32 ones in 16 bits
+    (float16 on CUDA, bfloat16 on the CPU, where float16 matmuls are slow)."""
+    if setting != "auto":
+        return setting
+    if checkpoint_dtype == "bfloat16":
+        return "bfloat16"
+    return "float16" if device == "cuda" else "bfloat16"
+
+
+def resolve_max_model_len(setting: int | None, arch: ArchConfig, source: str) -> int:
+    """The asked-for context, else the model's; longer than the model's is an error."""
+    derived_len = arch.max_position_embeddings
+    if arch.sliding_window and arch.sliding_window < derived_len:
+        logger.warning(
+            "sliding-window attention is not implemented: capping the context at %d", arch.sliding_window
+        )
+        derived_len = arch.sliding_window
+    max_model_len = setting or derived_len
+    if max_model_len > derived_len:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) is greater than the model's context ({derived_len} tokens, "
+            f"from {source})"
+        )
+    return max_model_len
+
+
+def check_parallel_layout(config: EngineConfig, arch: ArchConfig, device: str) -> None:
+    """Reject at start a layout the model or the machine cannot run, saying what would work."""
+    parallel = config.parallel
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    valid = valid_tensor_parallel_sizes(arch)
+    if tp not in valid:
+        raise ValueError(
+            f"{arch.architecture} has {arch.num_heads} attention heads and {arch.num_kv_heads} KV heads: "
+            f"tensor_parallel_size must be {', '.join(map(str, valid[:-1]))} or {valid[-1]}, got {tp}"
+        )
+    if pp > arch.num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {arch.num_layers} layers")
+    partition_layers(arch.num_layers, pp, parallel.pipeline_partition)
+    if parallel.executor_backend == "ray":
+        return  # workers may span nodes: the placement group's timeout names what the cluster lacks
+    if device == "cuda":
+        slots, what = torch.cuda.device_count(), "CUDA devices"
+    else:
+        # Each CPU worker needs at least half a core; beyond that its collectives starve.
+        slots, what = 2 * (os.cpu_count() or 1), "CPU worker slots (two per core)"
+    if tp * pp > slots:
+        raise ValueError(
+            f"tensor_parallel_size x pipeline_parallel_size = {tp * pp} workers, but this machine has "
+            f"{slots} {what}"
+        )
