@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
+from cluster.openai.catch_all import CatchAllMiddleware
 from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError, install_error_handlers
 from cluster.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -170,6 +171,8 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
+    # Outermost: every response (401 and 413 too) carries the request id, and nothing escapes.
+    app.add_middleware(CatchAllMiddleware)
     return app
 
 

@@ -4,7 +4,8 @@ Every failure a client can see is `{"error": {"message", "type", "param", "code"
 matching status: 400 for bad requests (malformed JSON, invalid fields, prompts over the context),
 401 for a missing or wrong API key, 404 for an unknown model or route, 409 for a prefix-cache reset
 while requests run, 413 for oversized bodies,
-503 when the engine is dead, 500 for anything unexpected (whose traceback the server logs).
+503 when the engine is dead, 500 for anything unexpected (whose traceback the server logs with the
+request id: see catch_all.py, which keeps any exception from reaching the server).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from cluster.openai.input_checks import INVALID_UNICODE
 from cluster.openai.protocol import ErrorInfo, ErrorResponse
 from engine.exceptions import EngineDeadError
 
@@ -47,6 +49,9 @@ class OpenAIError(Exception):
 
 def error_body(status: HTTPStatus, message: str, param: str | None = None) -> ErrorResponse:
     error_type = _ERROR_TYPES.get(status, status.phrase.replace(" ", "") + "Error")
+    # A message may quote the request (a model name); what UTF-8 cannot hold is escaped, so that
+    # the error itself can always be sent.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status.value))
 
 
@@ -61,24 +66,31 @@ def describe_exception(exc: BaseException, known_params: frozenset[str] = frozen
     if isinstance(exc, EngineDeadError):
         return error_body(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine is not running: {exc}")
     if isinstance(exc, ValueError):
-        match = _LEADING_NAME.match(str(exc))
-        param = match.group() if match and match.group() in known_params else None
-        return error_body(HTTPStatus.BAD_REQUEST, str(exc), param)
+        return error_body(HTTPStatus.BAD_REQUEST, str(exc), _leading_param(str(exc), known_params))
     return error_body(HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error: {type(exc).__name__}")
+
+
+def _leading_param(message: str, known_params: frozenset[str]) -> str | None:
+    match = _LEADING_NAME.match(message)
+    return match.group() if match and match.group() in known_params else None
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """The first problem pydantic found, and the top-level field it is in."""
     error = exc.errors()[0]
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    if error.get("type") == INVALID_UNICODE:
+        return str(error["msg"]), error["ctx"]["param"]
     if error.get("type") == "json_invalid":
         return f"Invalid JSON in the request body: {error.get('ctx', {}).get('error', error['msg'])}", None
     message = str(error["msg"]).removeprefix("Value error, ")
     if loc:
         return f"{'.'.join(loc)}: {message}", loc[0]
+    if error.get("type") == "value_error":  # a check across fields, whose message names them
+        return message, None
     if tuple(error.get("loc", ())) == ("body",):  # no body, or not an object
         return f"The request body must be a JSON object: {message}", None
-    return message, None  # a check across fields, whose message names them
+    return message, None
 
 
 def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
@@ -98,5 +110,7 @@ def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
 
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_exception)
-    for exc_type in (OpenAIError, EngineDeadError, ValueError, Exception):
+    # Not `Exception`: Starlette re-raises after answering it, which drops the connection;
+    # CatchAllMiddleware answers the unexpected ones instead.
+    for exc_type in (OpenAIError, EngineDeadError, ValueError):
         app.add_exception_handler(exc_type, on_exception)

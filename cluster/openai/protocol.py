@@ -4,25 +4,45 @@ Requests accept fields this server does not know and ignore them (the route logs
 does: clients of newer API versions send fields that change nothing here. Fields that would change
 the answer but are not implemented (tools, response formats, suffix) are refused with a 400 instead
 of being ignored silently.
+
+Every value is range-checked before it reaches the engine: strings must be valid Unicode, floats
+finite, integers within 64 bits (the engine's wire format), and the fields below carry vLLM's limits
+(SamplingParams and the input processor check the rest, naming the field and the limit).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from cluster.openai.input_checks import check_unicode
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 # JSON has no -inf: vLLM reports impossible tokens with this floor, and so do we.
 LOGPROB_FLOOR = -9999.0
+# OpenAI's (and vLLM's) bound on chat top_logprobs.
+MAX_TOP_LOGPROBS = 20
+# Each stop string is matched after every generated token; vLLM sets no bound, the body limit does
+# here too, but a list this long is a mistake (or an attack) rather than a use.
+MAX_STOP_STRINGS = 256
+# The engine's requests travel as msgpack, whose integers are 64-bit.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 
 class OpenAIBaseModel(BaseModel):
     """Base of the request models: unknown fields are kept aside (see `ignored_fields`)."""
 
-    model_config = ConfigDict(extra="allow")
+    # NaN and Infinity parse from JSON (Python's json accepts them) but are no sampling setting.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return check_unicode(data)
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
@@ -38,11 +58,11 @@ class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
@@ -50,16 +70,16 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras (the openai client sends them through `extra_body`).
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -113,17 +133,17 @@ class SamplingRequest(OpenAIBaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     prompt: Prompt
-    max_tokens: int | None = 16  # OpenAI's and vLLM's default; null means "up to the context"
-    best_of: int | None = None
+    max_tokens: Int64 | None = 16  # OpenAI's and vLLM's default; null means "up to the context"
+    best_of: Int64 | None = None
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Count | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -152,7 +172,7 @@ class TextContentPart(BaseModel):
 class ChatMessage(OpenAIBaseModel):
     """One message of a conversation, passed to the chat template with any extra keys it has."""
 
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
@@ -171,10 +191,10 @@ class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    max_tokens: int | None = None  # deprecated by OpenAI in favor of max_completion_tokens
+    max_completion_tokens: Int64 | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favor of max_completion_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -194,6 +214,14 @@ class ChatCompletionRequest(SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_request_template(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and "chat_template" in value:
+            # vLLM's rule too: the server's template, never one a client sends, is rendered.
+            raise ValueError("a chat template given with the request is not accepted")
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -221,7 +249,7 @@ class DetokenizeRequest(OpenAIBaseModel):
     """POST /detokenize."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses ----

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from cluster.openai.catch_all import current_request_id
 from cluster.openai.errors import describe_exception
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ async def sse_stream(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     except Exception as exc:
         body = describe_exception(exc)
         if body.error.code == HTTPStatus.INTERNAL_SERVER_ERROR:
-            logger.exception("stream failed")
+            logger.exception("stream of request %s failed", current_request_id())
         yield sse_event(body)
     yield DONE_EVENT
 
