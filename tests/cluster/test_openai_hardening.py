@@ -7,6 +7,7 @@ the same bugs against a real engine are in test_openai_server.py."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -30,16 +31,12 @@ JSON = {"content-type": "application/json"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = '"messages": [{"role": "user", "content": "Hi"}]'
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(ModelSource(packaged_model_path(), "gguf"))
+packaged_tokenizer = functools.cache(lambda: load_tokenizer(ModelSource(packaged_model_path(), "gguf")))
 
 
 @pytest.fixture
-def engine(tokenizer) -> ScriptedEngine:
-    return ScriptedEngine(tokenizer)
+def engine() -> ScriptedEngine:
+    return ScriptedEngine(packaged_tokenizer())
 
 
 def post_raw(engine: ScriptedEngine, path: str, body: str) -> httpx.Response:
@@ -162,15 +159,15 @@ def test_a_request_chat_template_is_refused(engine) -> None:
     assert "chat template" in message
 
 
-def test_chat_templates_render_in_a_sandbox(tokenizer) -> None:
+def test_chat_templates_render_in_a_sandbox() -> None:
     """transformers renders chat templates with jinja2's ImmutableSandboxedEnvironment: a template
     reaching for Python internals fails (a TemplateError, which the routes answer with 400)."""
     escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(jinja2.sandbox.SecurityError):
-        render_chat_prompt(tokenizer, [{"role": "user", "content": "x"}], chat_template=escape)
+        render_chat_prompt(packaged_tokenizer(), [{"role": "user", "content": "x"}], chat_template=escape)
     mutate = "{% set _ = messages.append(1) %}{{ messages|length }}"
     with pytest.raises(jinja2.sandbox.SecurityError):
-        render_chat_prompt(tokenizer, [{"role": "user", "content": "x"}], chat_template=mutate)
+        render_chat_prompt(packaged_tokenizer(), [{"role": "user", "content": "x"}], chat_template=mutate)
 
 
 def test_stop_list_length_is_bounded() -> None:
@@ -191,10 +188,10 @@ class Broken(ScriptedEngine):
 
 
 @pytest.fixture
-def served(tokenizer) -> Iterator[tuple[str, ScriptedEngine]]:
+def served() -> Iterator[tuple[str, ScriptedEngine]]:
     """A real uvicorn server over a scripted engine, in a thread, with a 4 MiB body limit."""
-    engine = ScriptedEngine(tokenizer)
-    app = build_app(engine, ServerSettings([MODEL], max_request_body_bytes=4 << 20, log_stats_interval=0))
+    scripted = ScriptedEngine(packaged_tokenizer())
+    app = build_app(scripted, ServerSettings([MODEL], max_request_body_bytes=4 << 20, log_stats_interval=0))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -203,7 +200,7 @@ def served(tokenizer) -> Iterator[tuple[str, ScriptedEngine]]:
     while not server.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
+    yield f"http://127.0.0.1:{port}", scripted
     server.should_exit = True
     thread.join(timeout=10)
 
