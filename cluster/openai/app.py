@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import SecretStr
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.catch_all import CatchAllMiddleware
@@ -52,7 +53,7 @@ class ServerSettings:
     """HTTP settings of the app (the engine has its own config)."""
 
     served_model_names: list[str]
-    api_key: str | None = None
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # never in a log line
     max_request_body_bytes: int = 1 << 20
     log_stats_interval: float = 10.0  # seconds between throughput log lines; 0 turns them off
 
@@ -170,7 +171,8 @@ def build_app(
     # Added last = outermost: the key is checked before any of the body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
+        key = SecretStr(settings.api_key)  # app.user_middleware's repr shows its arguments
+        app.add_middleware(ApiKeyMiddleware, api_key=key, open_paths=OPEN_PATHS)
     # Outermost: every response (401 and 413 too) carries the request id, and nothing escapes.
     app.add_middleware(CatchAllMiddleware)
     return app

@@ -10,6 +10,7 @@ import hmac
 from collections.abc import Collection
 from http import HTTPStatus
 
+from pydantic import SecretStr
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -20,12 +21,14 @@ class ApiKeyMiddleware:
     """Answers 401 unless the request carries `Authorization: Bearer <api_key>`.
 
     The key is compared in constant time, so response timing does not reveal how much of a guess was
-    right. `open_paths` (health checks, metrics scrapes) need no key.
+    right. `open_paths` (health checks, metrics scrapes) need no key. The key is never logged: a
+    SecretStr keeps it out of reprs.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: Collection[str]) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | SecretStr, open_paths: Collection[str]) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
+        self._expected = f"Bearer {key}".encode()
         self._open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

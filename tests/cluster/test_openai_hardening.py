@@ -8,6 +8,7 @@ the same bugs against a real engine are in test_openai_server.py."""
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ import pydantic
 import pytest
 import uvicorn
 
-from cluster.openai import ServerSettings, build_app
+from cluster.openai import ServerSettings, build_app, middleware
 from cluster.openai.input_checks import find_invalid_string, format_path
 from cluster.openai.protocol import MAX_STOP_STRINGS, CompletionRequest
 from engine.models.model_files import ModelSource, packaged_model_path
@@ -252,3 +253,20 @@ def test_request_id_that_is_unsafe_is_replaced(engine) -> None:
     response = call(engine, "GET", "/health", headers={"X-Request-Id": "a b\tc" + "x" * 200})
     assert response.headers["x-request-id"] != "a b\tc" + "x" * 200
     assert len(response.headers["x-request-id"]) == 32
+
+
+def test_api_key_is_compared_in_constant_time_and_kept_out_of_reprs(engine, monkeypatch) -> None:
+    compared = []
+
+    def spy(given: bytes, expected: bytes) -> bool:
+        compared.append(given)
+        return hmac.compare_digest(given, expected)
+
+    monkeypatch.setattr(middleware.hmac, "compare_digest", spy)
+    headers = {"Authorization": "Bearer sk-secret"}
+    assert call(engine, "GET", "/v1/models", api_key="sk-secret", headers=headers).status_code == 200
+    assert call(engine, "GET", "/v1/models", api_key="sk-secret").status_code == 401
+    assert compared == [b"Bearer sk-secret", b""]
+    settings = ServerSettings([MODEL], api_key="sk-secret")
+    app = build_app(engine, settings)
+    assert "sk-secret" not in repr(settings) + repr(app.user_middleware)

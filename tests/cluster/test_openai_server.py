@@ -297,3 +297,31 @@ def test_reset_prefix_cache(server: RemoteServer, client: openai.OpenAI) -> None
     assert httpx.post(server.base_url + "/reset_prefix_cache").status_code == 401
     assert post(server, "/reset_prefix_cache").status_code == 200
     assert hits_of_one_completion() == 0  # forgotten: computed again
+
+
+def test_invalid_unicode_is_400_and_keeps_the_connection(server: RemoteServer) -> None:
+    """The bug of issue 11: a lone surrogate in a prompt was a 500 from the tokenizer, and the
+    exception reached uvicorn, which dropped the keep-alive connection under the next request."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    bodies = {
+        "/v1/completions": rb'{"model": "%s", "prompt": "Hi \ud800 there", "max_tokens": 2}' % MODEL.encode(),
+        "/v1/chat/completions": rb'{"messages": [{"role": "user", "content": "\udc00"}], "max_tokens": 2}',
+    }
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    with httpx.Client(base_url=server.base_url, headers=headers, limits=limits, timeout=120) as http:
+        for path, body in bodies.items():
+            refused = http.post(path, content=body)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] in ("prompt", "messages")
+            assert refused.headers.get("connection", "keep-alive") != "close"
+            ok = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+            assert ok.status_code == 200, ok.text
+    assert "Traceback" not in server.log_tail(100_000)
+
+
+def test_api_key_is_never_logged(server: RemoteServer) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    for key in (API_KEY, API_KEY + "x", "", API_KEY[:-1]):
+        post(server, "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+    post(server, "/v1/completions", content=b"{", headers={"X-Request-Id": "logged-id"})
+    assert API_KEY not in server.log_path.read_text(errors="replace")
