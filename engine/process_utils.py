@@ -13,6 +13,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 
 def available_cores() -> int:
     """Cores this process may run on (its affinity, which containers and taskset narrow)."""
@@ -27,6 +29,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def loopback_interface() -> str:
+    """The name of this host's loopback network interface ("lo" on Linux, "lo0" on macOS)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(address.address == "127.0.0.1" for address in addresses):
+            return name
+    return "lo"
 
 
 def describe_exit(exitcode: int | None) -> str:

@@ -4,17 +4,23 @@
         python -m cluster.jobs.batch --config configs/engine/smollm2.yaml \\
         --input /data/prompts.jsonl --output /data/results.jsonl [engine flags]
 
-Input lines: see `cluster.jobs.batch_lines`. Output lines, in input order: id (the line's own, else
-its line number), text, finish_reason, prompt_tokens, completion_tokens. A line that cannot run is
-logged with its number and the reason, and skipped. Every valid line is queued at once, so the
-scheduler batches them continuously. Relative paths resolve against the job's working directory,
-which under `ray job submit` is Ray's unpacked copy of --working-dir: give absolute paths.
+Input lines: see `cluster.jobs.batch_lines`. Output lines: id (the line's own, else its line
+number), text, finish_reason, prompt_tokens, completion_tokens. A line that cannot run is logged
+with its number and the reason, and skipped; so is a line whose id an earlier line has (results are
+keyed by id). Every valid line is queued at once, so the scheduler batches them continuously.
+
+Jobs resume (see `cluster.jobs.batch_results`): each result is written and flushed as soon as its
+line finishes, and a job run again with the same --output skips the lines whose results are there,
+so a killed job loses nothing and repeats nothing; the summary says how many were done before.
+Once every line has run, the output is in input order. To start afresh, remove the output file.
+
+Relative paths resolve against the job's working directory, which under `ray job submit` is Ray's
+unpacked copy of --working-dir: give absolute paths.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -28,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from cluster.engine_args import add_engine_args, engine_settings_from_args
 from cluster.jobs.batch_lines import BatchLine, parse_batch_line
+from cluster.jobs.batch_results import ResultsFile, result_key
 from engine.config import EngineConfig
 from engine.input_processor import PromptType
 from engine.llm_engine import LLMEngine
@@ -58,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--input", required=True, type=Path, help='JSONL: {"id"?, "prompt" | "messages", sampling fields?}'
     )
-    parser.add_argument("--output", required=True, type=Path, help="JSONL results, one per valid input line")
+    parser.add_argument(
+        "--output",
+        required=True,
+        type=Path,
+        help="JSONL results, one per valid input line; an existing one is resumed: its lines are not run again",
+    )
     parser.add_argument(
         "--progress-interval", type=float, default=10.0, help="seconds between progress logs (default: 10)"
     )
@@ -88,38 +100,53 @@ def engine_prompt(line: BatchLine, tokenizer: PreTrainedTokenizerBase) -> Prompt
 
 
 def run_lines(
-    engine: LLMEngine, lines: list[BatchLine], skipped: SkippedLines, progress_interval: float
-) -> list[dict[str, Any]]:
-    """Queue every line the engine accepts, step until all finish, and return their results in order."""
-    queued: dict[str, BatchLine] = {}
+    engine: LLMEngine,
+    lines: list[BatchLine],
+    skipped: SkippedLines,
+    progress_interval: float,
+    results: ResultsFile,
+) -> int:
+    """Queue every line the engine accepts, step until all finish, and append each result to
+    `results` as it finishes; the number of results written."""
+    queued: dict[str, BatchLine] = {}  # by request id: the line number
+    first_line_of: dict[str, int] = {}  # by result key
     for line in lines:
         # Only the final output is wanted, so the front end need not build the ones before it.
         params = msgspec.structs.replace(line.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
+        request_id = str(line.number)
         try:
-            engine.add_request(str(line.number), engine_prompt(line, engine.tokenizer), params)
+            engine.add_request(request_id, engine_prompt(line, engine.tokenizer), params)
         # Too long a prompt, a token id outside the vocabulary, a template the messages break, ...
         except (ValueError, TemplateError) as exc:
             skipped.skip(line.number, str(exc))
             continue
-        queued[str(line.number)] = line
+        # Checked once the engine took the line, so that a line it refuses is told why.
+        first = first_line_of.setdefault(result_key(line.id), line.number)
+        if first != line.number:
+            engine.abort_request(request_id)
+            skipped.skip(
+                line.number, f"line {first} has the same id {line.id!r}, and results are keyed by id"
+            )
+            continue
+        queued[request_id] = line
     logger.info("running %d lines (%d skipped)", len(queued), len(skipped.numbers))
-    finished: dict[str, RequestOutput] = {}
+    num_finished = num_written = 0
     last_report = time.monotonic()
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
+            if not output.finished or output.request_id not in queued:
+                continue
+            num_finished += 1
+            line = queued[output.request_id]
+            if output.error:  # the scheduler gave up on it, e.g. a prompt larger than the whole KV cache
+                skipped.skip(line.number, f"the engine could not run it: {output.error}")
+            else:
+                results.append(result_record(line, output))
+                num_written += 1
         if time.monotonic() - last_report >= progress_interval:
-            logger.info("progress: %d/%d lines done", len(finished), len(queued))
+            logger.info("progress: %d/%d lines done", num_finished, len(queued))
             last_report = time.monotonic()
-    results = []
-    for request_id, line in queued.items():
-        output = finished[request_id]
-        if output.error:  # the scheduler gave up on it, e.g. a prompt larger than the whole KV cache
-            skipped.skip(line.number, f"the engine could not run it: {output.error}")
-        else:
-            results.append(result_record(line, output))
-    return results
+    return num_written
 
 
 def result_record(line: BatchLine, output: RequestOutput) -> dict[str, Any]:
@@ -131,13 +158,6 @@ def result_record(line: BatchLine, output: RequestOutput) -> dict[str, Any]:
         "prompt_tokens": len(output.prompt_token_ids),
         "completion_tokens": len(completion.token_ids),
     }
-
-
-def write_results(path: Path, results: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as file:
-        for record in results:
-            file.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -154,24 +174,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         logger.error("cannot read the input file %s: %s", args.input.resolve(), exc)
         return 1
+    try:
+        results = ResultsFile(args.output)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        logger.error("cannot resume from the output file %s: %s", args.output.resolve(), exc)
+        return 1
     skipped = SkippedLines()
     lines = parse_input(text, skipped)
-    results = []
-    if lines:
+    pending = [line for line in lines if not results.is_done(line.id)]
+    if results.num_done_before:
+        logger.info(
+            "resuming %s: %d lines were done before, %d to run",
+            args.output.resolve(),
+            results.num_done_before,
+            len(pending),
+        )
+    if pending:
         engine = LLMEngine(EngineConfig.from_flat(**settings))
         try:
-            results = run_lines(engine, lines, skipped, args.progress_interval)
+            run_lines(engine, pending, skipped, args.progress_interval, results)
         finally:
             engine.shutdown()
-        write_results(args.output, results)
+            results.close()
+    if results.records:
+        results.close_in_order(line.id for line in lines)
     numbers = ", ".join(map(str, sorted(skipped.numbers)))
+    before = f" ({results.num_done_before} of them before this run)" if results.num_done_before else ""
     logger.info(
-        "%d lines done, %d skipped%s",
-        len(results),
+        "%d lines done%s, %d skipped%s",
+        len(results.records),
+        before,
         len(skipped.numbers),
         f": lines {numbers}" if numbers else "",
     )
-    if not results:
+    if not results.records:
         logger.error("no line of %s could run", args.input.resolve())
         return 1
     logger.info("results written to %s", args.output.resolve())

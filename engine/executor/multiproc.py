@@ -14,6 +14,8 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import pickle
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +29,7 @@ from engine.config import EngineConfig
 from engine.exceptions import EngineDeadError
 from engine.executor.base import Executor
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.process_utils import StopOnReleaseOrExit, available_cores, describe_exit, free_port
+from engine.process_utils import StopOnReleaseOrExit, available_cores, describe_exit
 from engine.worker.worker_proc import run_worker
 
 logger = logging.getLogger(__name__)
@@ -158,6 +160,7 @@ class _WorkerGroup:
         self._reap_lock = threading.Lock()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
+        self.rendezvous_dir: str | None = None
 
     @property
     def sentinels(self) -> list[int]:
@@ -167,7 +170,10 @@ class _WorkerGroup:
         world_size = config.parallel.world_size
         # Spawn, not fork: forking a process whose torch thread pools are running can deadlock the child.
         context = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # A file in a private (0700) directory rather than tcp://: torch's TCPStore listens on every
+        # interface, not only the one named, and every rank is on this host.
+        self.rendezvous_dir = tempfile.mkdtemp(prefix="raypage-rendezvous-")
+        init_method = f"file://{self.rendezvous_dir}/store"
         num_threads = max(1, available_cores() // world_size)
         for rank in range(world_size):
             request_reader, request_writer = context.Pipe(duplex=False)
@@ -245,6 +251,8 @@ class _WorkerGroup:
             pipe.close()
         if self._monitor is not None:
             self._monitor.join()
+        if self.rendezvous_dir is not None:
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
 
 
 def _describe_death(rank: int, process: BaseProcess) -> str:

@@ -9,6 +9,7 @@ step, comes as msgpack bytes inside the call: msgspec encodes and decodes it fas
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 import traceback
@@ -19,6 +20,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.outputs import SchedulerOutput
+from engine.process_utils import loopback_interface
 from engine.worker.worker import Worker
 from parallel.state import destroy_model_parallel
 
@@ -37,6 +39,8 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Workers share the host's cores: without a limit each would start one thread per core.
     torch.set_num_threads(num_threads)
+    # Every rank is on this host: gloo's connections between them listen on loopback only.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     worker = Worker(config, rank, local_rank, distributed_init_method)
     steps = msgspec.msgpack.Decoder(SchedulerOutput)
     while True:

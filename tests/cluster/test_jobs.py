@@ -12,8 +12,10 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +30,9 @@ import pytest
 
 from cluster.jobs.batch import main
 from cluster.jobs.batch_lines import parse_batch_line
+from cluster.jobs.batch_results import ResultsFile
 from engine import LLM, SamplingParams
+from tests.model.tiny_models import write_tiny_model
 
 REPO_ROOT = Path(__file__).parents[2]
 RAY = Path(sys.executable).parent / "ray"
@@ -168,6 +172,69 @@ def test_the_job_fails_when_no_line_can_run(tmp_path: Path, caplog: pytest.LogCa
     assert main(["--input", str(missing), "--output", str(tmp_path / "out.jsonl")]) == 1
     assert f"cannot read the input file {missing}" in caplog.text
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_results_file_cuts_a_torn_last_line_and_refuses_a_foreign_file(tmp_path: Path) -> None:
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"id": "a", "text": "x"}\n{"id": 2, "text": "y"}\n{"id": "c", "te', encoding="utf-8")
+    results = ResultsFile(path)
+    assert (results.num_done_before, results.is_done("a"), results.is_done(2)) == (2, True, True)
+    assert not results.is_done("c") and not results.is_done("2")  # the id's type counts
+    assert path.read_text(encoding="utf-8").endswith('"y"}\n')  # the torn line is gone
+    results.append({"id": "c", "text": "z"})
+    results.close_in_order(["c", 2, "a"])
+    assert [record["id"] for record in read_results(path)] == ["c", 2, "a"]
+    path.write_text('{"id": "a"}\nnot a result\n{"id": "b"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="line 2 is not a batch result"):
+        ResultsFile(path)
+
+
+def test_a_killed_job_resumes_with_every_line_exactly_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job killed with SIGKILL at a random point (after a random number of results), with a torn
+    line at the end of its output as a kill mid-write leaves, then run again: every input line is in
+    the output exactly once, in input order, and the rerun ran only the lines not done before."""
+    model = write_tiny_model(tmp_path / "model")
+    lines = [
+        json.dumps({**({"id": f"p{i}"} if i % 3 else {}), "prompt": f"Item {i}:", "max_tokens": 8 + i % 9})
+        for i in range(40)
+    ]
+    ids = [f"p{i}" if i % 3 else i + 1 for i in range(40)]
+    source = write_lines(tmp_path / "in.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+    flags = ["--input", str(source), "--output", str(output), "--model", str(model), "--max-num-seqs", "2"]
+    flags += ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256"]
+    kill_after = random.Random(secrets.randbits(32)).randint(1, 20)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "cluster.jobs.batch", *flags],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while job.poll() is None and time.monotonic() < deadline:
+            if output.exists() and output.read_bytes().count(b"\n") >= kill_after:
+                break
+            time.sleep(0.002)
+    finally:
+        job.kill()  # SIGKILL: nothing of the job gets to clean up
+        job.wait()
+    assert job.returncode == -signal.SIGKILL, f"the job ended by itself before {kill_after} results"
+    done_before = len(read_results(output))
+    assert kill_after <= done_before < len(lines)
+    with output.open("a", encoding="utf-8") as file:
+        file.write('{"id": "p1", "text": "torn')  # what a kill in the middle of a write leaves
+
+    caplog.set_level(logging.INFO, logger="cluster.jobs.batch")
+    assert main(flags) == 0
+
+    assert [record["id"] for record in read_results(output)] == ids
+    messages = [record.getMessage() for record in caplog.records if record.name == "cluster.jobs.batch"]
+    assert f"running {len(lines) - done_before} lines (0 skipped)" in messages
+    assert f"40 lines done ({done_before} of them before this run), 0 skipped" in messages
 
 
 # ---- `ray job submit` against a real head ------------------------------------------------------

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.cluster.remote_server import RemoteServer
@@ -321,7 +324,26 @@ def test_invalid_unicode_is_400_and_keeps_the_connection(server: RemoteServer) -
 
 def test_api_key_is_never_logged(server: RemoteServer) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
-    for key in (API_KEY, API_KEY + "x", "", API_KEY[:-1]):
-        post(server, "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+    for authorization in (f"Bearer {API_KEY}", f"Bearer {API_KEY}x", f"Bearer {API_KEY[:-1]}", API_KEY, ""):
+        post(server, "/v1/completions", json=body, headers={"Authorization": authorization})
     post(server, "/v1/completions", content=b"{", headers={"X-Request-Id": "logged-id"})
     assert API_KEY not in server.log_path.read_text(errors="replace")
+
+
+def test_internal_sockets_are_private(server: RemoteServer) -> None:
+    """The server's only TCP listener is its own HTTP port; the engine core listens on no TCP port,
+    and its ZeroMQ sockets are ipc:// files in a directory only its user can enter (0700)."""
+    front = psutil.Process(server.process.pid)
+    listening = [
+        (conn.laddr.ip, conn.laddr.port)
+        for process in [front, *front.children(recursive=True)]
+        for conn in process.net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN
+    ]
+    assert listening == [("127.0.0.1", server.port)]
+    core_sockets = {
+        conn.laddr for conn in psutil.Process(server.core_pid()).net_connections(kind="unix") if conn.laddr
+    }
+    socket_dirs = {os.path.dirname(path) for path in core_sockets if "raypage-core-" in path}
+    assert socket_dirs, core_sockets
+    assert all(stat.S_IMODE(os.stat(folder).st_mode) == 0o700 for folder in socket_dirs)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
@@ -79,6 +81,19 @@ def test_collective_rpc_gathers_results_in_rank_order(tp2_executor: MultiprocExe
     shapes = tp2_executor.collective_rpc("kv_cache_shapes")
     assert len(shapes) == 2
     assert all(shape[1] == 1 for rank_shapes in shapes for shape in rank_shapes.values())
+
+
+def test_workers_listen_on_loopback_only(tp2_executor: MultiprocExecutor):
+    """The rendezvous is a file in a private directory (torch's TCPStore would listen on every
+    interface), and gloo's connections between the ranks are on loopback."""
+    assert stat.S_IMODE(os.stat(tp2_executor._workers.rendezvous_dir).st_mode) == 0o700
+    listening = [
+        conn.laddr.ip
+        for pid in tp2_executor.worker_pids
+        for conn in psutil.Process(pid).net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN
+    ]
+    assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening
 
 
 def test_worker_exception_names_rank_and_method(tp2_executor: MultiprocExecutor):
