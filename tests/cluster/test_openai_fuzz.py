@@ -1,0 +1,105 @@
+"""hypothesis-generated request bodies against a real `raypage api-server` over a tiny random Llama:
+invalid Unicode, huge and non-finite numbers, deep nesting, wrong types, unknown fields. Every
+answer is a success or a documented 4xx error object, never a 5xx, and one keep-alive connection
+carries them all (a dropped connection would fail the next request)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.cluster.remote_server import RemoteServer
+from tests.model.tiny_models import write_tiny_model
+
+MODEL = "fuzzed"
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+FIELDS = [
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "temperature",
+    "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "echo",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "priority", "stream",
+    "stream_options", "min_tokens", "chat_template_kwargs", "tokens", "add_generation_prompt",
+]  # fmt: skip
+ERROR_STATUSES = {400, 404, 413, 422}  # 422 never comes: validation errors are 400s
+
+surrogates = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+texts = st.text(st.one_of(st.characters(), surrogates), max_size=20)
+numbers = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.integers(min_value=-2, max_value=40),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+scalars = st.one_of(st.none(), st.booleans(), numbers, texts)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
+    max_leaves=12,
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "wizard"]) | texts, "content": json_values}
+    ),
+    max_size=3,
+)
+
+
+@st.composite
+def deeply_nested(draw: st.DrawFn) -> object:
+    value = draw(scalars)
+    for _ in range(draw(st.integers(min_value=0, max_value=3000))):
+        value = [value]
+    return value
+
+
+bodies = st.one_of(
+    st.dictionaries(st.sampled_from(FIELDS) | texts, json_values | messages, max_size=6),
+    st.fixed_dictionaries(
+        {"prompt": texts, "max_tokens": st.integers(1, 4)},
+        optional={"stop": json_values, "temperature": numbers, "logit_bias": json_values, "n": numbers},
+    ),
+    st.fixed_dictionaries({"messages": messages, "max_tokens": st.integers(1, 4)}),
+    deeply_nested(),
+    json_values,
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    folder: Path = tmp_path_factory.mktemp("fuzz")
+    flags = ["--model", str(write_tiny_model(folder / "model")), "--served-model-name", MODEL]
+    flags += ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "128", "--disable-access-log"]
+    server = RemoteServer(flags, folder / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def connection(server: RemoteServer) -> Iterator[httpx.Client]:
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    with httpx.Client(base_url=server.base_url, limits=limits, timeout=60) as client:
+        yield client
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(ROUTES), body=bodies)
+def test_no_body_gets_a_5xx_or_drops_the_connection(
+    connection: httpx.Client, route: str, body: object
+) -> None:
+    # ensure_ascii writes lone surrogates as \\udXXX escapes, as a hostile client would.
+    content = json.dumps(body, ensure_ascii=True, allow_nan=True).encode()
+    response = connection.post(route, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (route, content[:200], response.text[:300])
+    if response.status_code >= 400:
+        assert response.status_code in ERROR_STATUSES - {422}, response.text[:300]
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == response.status_code
+
+
+def test_the_server_logged_no_traceback(server: RemoteServer, connection: httpx.Client) -> None:
+    assert connection.get("/health").status_code == 200
+    assert "Traceback" not in server.log_tail(1_000_000)
