@@ -105,10 +105,10 @@ def run_lines(
     skipped: SkippedLines,
     progress_interval: float,
     results: ResultsFile,
-) -> int:
+) -> None:
     """Queue every line the engine accepts, step until all finish, and append each result to
-    `results` as it finishes; the number of results written."""
-    queued: dict[str, BatchLine] = {}  # by request id: the line number
+    `results` as it finishes."""
+    queued: dict[str, BatchLine] = {}  # by request id (the line number as a string)
     first_line_of: dict[str, int] = {}  # by result key
     for line in lines:
         # Only the final output is wanted, so the front end need not build the ones before it.
@@ -130,7 +130,7 @@ def run_lines(
             continue
         queued[request_id] = line
     logger.info("running %d lines (%d skipped)", len(queued), len(skipped.numbers))
-    num_finished = num_written = 0
+    num_finished = 0
     last_report = time.monotonic()
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -142,11 +142,9 @@ def run_lines(
                 skipped.skip(line.number, f"the engine could not run it: {output.error}")
             else:
                 results.append(result_record(line, output))
-                num_written += 1
         if time.monotonic() - last_report >= progress_interval:
             logger.info("progress: %d/%d lines done", num_finished, len(queued))
             last_report = time.monotonic()
-    return num_written
 
 
 def result_record(line: BatchLine, output: RequestOutput) -> dict[str, Any]:
