@@ -1,7 +1,8 @@
-"""hypothesis-generated request bodies against a real `raypage api-server` over a tiny random Llama:
-invalid Unicode, huge and non-finite numbers, deep nesting, wrong types, unknown fields. Every
-answer is a success or a documented 4xx error object, never a 5xx, and one keep-alive connection
-carries them all (a dropped connection would fail the next request)."""
+"""Generated requests against a real `raypage api-server` over a tiny random Llama: hypothesis bodies
+(invalid Unicode, huge and non-finite numbers, deep nesting, wrong types, unknown fields) on one
+keep-alive connection, and schemathesis cases for every route of the server's OpenAPI schema. Every
+answer is a success or a documented 4xx error object, never a 5xx, and no connection drops (a
+dropped one would fail the next request)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
 
 from tests.cluster.remote_server import RemoteServer
 from tests.model.tiny_models import write_tiny_model
@@ -103,6 +106,24 @@ def test_no_body_gets_a_5xx_or_drops_the_connection(
         assert response.status_code in ERROR_STATUSES - {422}, response.text[:300]
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == response.status_code
+
+
+@pytest.fixture(scope="module")
+def api_schema(server: RemoteServer) -> schemathesis.BaseSchema:
+    return schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_every_route_by_its_schema(case: schemathesis.Case) -> None:
+    response = case.call(timeout=60)
+    case.validate_response(response, checks=[not_a_server_error])
+    if response.status_code >= 400:
+        assert response.status_code in ERROR_STATUSES - {422}, response.text[:300]
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_the_server_logged_no_traceback(server: RemoteServer, connection: httpx.Client) -> None:
