@@ -181,7 +181,8 @@ def build_app(
 def _warn_ignored(body: OpenAIBaseModel) -> None:
     ignored = body.ignored_fields()
     if ignored:
-        logger.warning("ignoring fields this server does not support: %s", ", ".join(ignored))
+        # repr: a client's field name may hold newlines, which would forge log lines.
+        logger.warning("ignoring fields this server does not support: %s", ", ".join(map(repr, ignored)))
 
 
 async def log_stats_periodically(engine: EngineClient, log_stats: LoggingStatLogger, interval: float) -> None:
