@@ -257,10 +257,11 @@ def test_request_id_that_is_unsafe_is_replaced(engine) -> None:
 
 def test_api_key_is_compared_in_constant_time_and_kept_out_of_reprs(engine, monkeypatch) -> None:
     compared = []
+    compare_digest = hmac.compare_digest
 
     def spy(given: bytes, expected: bytes) -> bool:
         compared.append(given)
-        return hmac.compare_digest(given, expected)
+        return compare_digest(given, expected)
 
     monkeypatch.setattr(middleware.hmac, "compare_digest", spy)
     headers = {"Authorization": "Bearer sk-secret"}
