@@ -1,4 +1,6 @@
-"""The Ray Serve application: an OpenAI ingress deployment in front of an `LLMServer` deployment.
+"""The Ray Serve application: `LLMServer` replicas that each serve the OpenAI app over their own
+engine (args `ingress: engine`, the default), or an OpenAI ingress deployment in front of engine-only
+`LLMServer` replicas (`ingress: separate`).
 
 `serve run configs/serve/smollm2.yaml` (import_path `cluster.serve_app:build_app`) and
 `raypage serve` both build it with `build_app(args)`; see `cluster.serve.args` for the args.
@@ -14,17 +16,22 @@ from ray import serve
 
 from cluster.serve.args import ServeAppSettings, parse_app_args
 from cluster.serve.ingress import OpenAIIngress
-from cluster.serve.llm_server import LLMServer
+from cluster.serve.llm_server import HandleLLMServer, LLMServer
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The application from the Serve config's (or the command line's) args; ValueError on a bad one."""
     settings = parse_app_args(args)
-    llm_server = LLMServer.options(**llm_server_options(settings)).bind(
+    options = settings.options
+    if options.ingress == "engine":
+        return LLMServer.options(**llm_server_options(settings)).bind(
+            settings.engine_settings, settings.server, niceness=options.replica_niceness
+        )
+    llm_server = HandleLLMServer.options(**llm_server_options(settings)).bind(
         settings.engine_settings,
-        settings.server.served_model_names[0],
-        settings.server.log_stats_interval,
-        settings.options.stream_batch_interval_ms / 1000,
+        settings.server,
+        options.stream_batch_interval_ms / 1000,
+        niceness=options.replica_niceness,
     )
     return OpenAIIngress.options(**ingress_options(settings)).bind(
         llm_server, settings.engine_settings, settings.server
@@ -41,8 +48,9 @@ def llm_server_options(settings: ServeAppSettings) -> dict[str, Any]:
         "health_check_period_s": options.health_check_period_s,
         "health_check_timeout_s": options.health_check_timeout_s,
         "ray_actor_options": {"num_cpus": options.llm_server_cpus},
-        # Its calls come from the ingress (which logs every HTTP request) and its state poll.
-        "logging_config": {"enable_access_log": False},
+        # Behind a separate ingress its calls come from there (which logs every HTTP request) and
+        # from its state poll.
+        "logging_config": {"enable_access_log": options.ingress == "engine" and options.enable_access_log},
     }
     config = settings.engine_config
     if config.parallel.executor_backend == "ray":
@@ -63,10 +71,11 @@ def ingress_options(settings: ServeAppSettings) -> dict[str, Any]:
 
 
 def required_cpus(settings: ServeAppSettings) -> float:
-    """CPUs the app reserves in the cluster: every replica of both deployments, workers included."""
+    """CPUs the app reserves in the cluster: every replica of its deployments, workers included."""
     deployment = llm_server_options(settings)
     bundles = deployment.get("placement_group_bundles")
     per_server = (
         sum(bundle.get("CPU", 0.0) for bundle in bundles) if bundles else settings.options.llm_server_cpus
     )
-    return settings.options.num_replicas * per_server + settings.options.ingress_cpus
+    ingress = settings.options.ingress_cpus if settings.options.ingress == "separate" else 0.0
+    return settings.options.num_replicas * per_server + ingress

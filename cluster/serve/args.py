@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -36,6 +36,12 @@ class ServeOptions(BaseModel):
         10.0, ge=0, description="Seconds between the engine's throughput log lines; 0 turns them off"
     )
     enable_access_log: bool = Field(True, description="Log every HTTP request in the ingress replica's log")
+    ingress: Literal["engine", "separate"] = Field(
+        "engine",
+        description="'engine': each LLMServer replica serves the OpenAI app over its own engine (one "
+        "process hop fewer); 'separate': an OpenAIIngress deployment in front, calling the LLMServer "
+        "replicas through a DeploymentHandle",
+    )
     num_replicas: int = Field(1, ge=1, description="LLMServer replicas, each with its own engine")
     max_ongoing_requests: int = Field(
         256,
@@ -49,12 +55,21 @@ class ServeOptions(BaseModel):
         description="CPUs of each LLMServer replica itself (with the ray executor: added to the first "
         "bundle of its placement group, beside worker rank 0's)",
     )
-    ingress_cpus: float = Field(1.0, ge=0, description="CPUs of each OpenAI ingress replica")
+    ingress_cpus: float = Field(
+        1.0, ge=0, description="CPUs of each OpenAIIngress replica (with ingress: separate)"
+    )
+    replica_niceness: int | None = Field(
+        None,
+        ge=-20,
+        le=19,
+        description="Process niceness of each LLMServer replica and its engine core (Ray starts its "
+        "workers at 15); None keeps Ray's",
+    )
     stream_batch_interval_ms: float = Field(
         50.0,
         ge=0,
-        description="A request's outputs produced within this window cross from the LLMServer to the "
-        "ingress as one message (the first output at once); 0 sends each on its own",
+        description="With ingress: separate, a request's outputs produced within this window cross "
+        "from the LLMServer to the ingress as one message (the first output at once); 0 sends each on its own",
     )
     health_check_period_s: float = Field(
         10.0, gt=0, description="Seconds between Serve's health checks of an LLMServer replica"

@@ -1,11 +1,12 @@
 """`raypage serve`: the Serve application on a Ray cluster, until SIGINT or SIGTERM.
 
 raypage serve [--config FILE] [--address HOST:PORT] [--host 127.0.0.1] [--port 8000] [--api-key K]
-              [engine flags]
+              [--proxy-mode {python,haproxy}] [--ingress {engine,separate}] [engine flags]
 
 Joins the cluster at --address, or starts a local one (its CPUs: the machine's, or as many as the app
-reserves if that is more, since logical CPUs only count reservations). Serve's HTTP proxy listens
-on host:port. On a signal Serve is shut down, and so is the local cluster when this command started it.
+reserves if that is more, since logical CPUs only count reservations), with the --proxy-mode in front
+of the replicas (`cluster.serve.proxy_mode`), which listens on host:port. On a signal Serve is shut
+down, and so is the local cluster when this command started it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ray import serve
 
 from cluster.openai.api_server import add_server_args
 from cluster.serve.args import parse_app_args
+from cluster.serve.proxy_mode import PROXY_MODES, default_proxy_mode, proxy_env
 from cluster.serve_app import build_app, required_cpus
 from engine.executor.ray_utils import LOCAL_OBJECT_STORE_BYTES
 
@@ -42,6 +44,27 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
         "--num-cpus",
         type=float,
         help="CPUs of the local cluster (default: the machine's, at least what the app reserves)",
+    )
+    group.add_argument(
+        "--proxy-mode",
+        choices=PROXY_MODES,
+        help="what carries HTTP to the replicas of a local cluster: Serve's Python proxy actor, or "
+        "HAProxy (default: haproxy if Serve finds its binary, else python; a joined cluster keeps the "
+        "mode it was started with)",
+    )
+    group.add_argument(
+        "--ingress",
+        choices=("engine", "separate"),
+        default="engine",
+        help="engine: each LLMServer replica serves the OpenAI app over its own engine; separate: an "
+        "OpenAIIngress deployment in front of engine-only replicas (default: engine)",
+    )
+    group.add_argument(
+        "--replica-niceness",
+        type=int,
+        default=0,
+        help="niceness of each LLMServer replica and its engine core, so that Serve's own processes "
+        "(started at 15 by Ray) yield the CPU to them; needs CAP_SYS_NICE below 15 (default: 0)",
     )
     group.add_argument("--num-replicas", type=int, default=1, help="LLMServer replicas (default: 1)")
     group.add_argument(
@@ -82,6 +105,8 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "max_request_body_bytes": args.max_request_body_bytes,
         "log_stats_interval": args.log_stats_interval,
         "enable_access_log": not args.disable_access_log,
+        "ingress": args.ingress,
+        "replica_niceness": args.replica_niceness,
         "num_replicas": args.num_replicas,
         "llm_server_cpus": args.llm_server_cpus or (1.0 if args.address else float(os.cpu_count() or 1)),
         "stream_batch_interval_ms": args.stream_batch_interval_ms,
@@ -93,12 +118,28 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
 def check_args(args: argparse.Namespace) -> None:
     """ValueError on a bad flag, before any cluster is started."""
     parse_app_args(app_args(args, {}))
+    cluster_env(args)
+
+
+def cluster_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment the local cluster starts with for --proxy-mode; ValueError when that mode
+    cannot run here or cannot be chosen (a joined cluster's is its own)."""
+    if args.address:
+        if args.proxy_mode:
+            raise ValueError(
+                "--proxy-mode applies to a cluster this command starts; a joined cluster keeps its own "
+                "(set RAY_SERVE_ENABLE_HA_PROXY=1 or RAY_SERVE_ENABLE_DIRECT_INGRESS=1 on `ray start`)"
+            )
+        return {}
+    return proxy_env(args.proxy_mode or default_proxy_mode())
 
 
 def run_serve(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None:
     """Run the app until SIGINT or SIGTERM, then shut Serve (and a cluster started here) down."""
     settings_args = app_args(args, engine_settings)
     app = build_app(settings_args)
+    # Before Ray (and Serve's constants) are loaded in any process of the local cluster.
+    os.environ.update(cluster_env(args))
     try:
         _connect(args, settings_args)
         # After ray.init, which installs its own SIGTERM handler (it aborts the process, leaving the

@@ -1,23 +1,31 @@
-"""`LLMServer`: the Ray Serve deployment that holds one `AsyncLLMEngine` per replica.
+"""The Ray Serve deployments that hold one `AsyncLLMEngine` per replica.
 
-A thin shim over the engine, so that the ingress (and any other caller with a `DeploymentHandle`)
-streams a request's outputs with `handle.options(stream=True).generate.remote(...)`. Serve calls
-`check_health` every `health_check_period_s`: once the engine is dead (a worker killed, a node
-gone) it raises, and after a few failures Serve replaces the replica with one holding a new engine.
+`LLMServer` serves the OpenAI app itself over its own engine (the app of `cluster.openai.app`, as
+`raypage api-server` builds it): a streamed token crosses no Ray hop between the HTTP server and the
+engine. `HandleLLMServer` is the same replica without the app, for the separate-ingress shape: the
+`OpenAIIngress` deployment streams a request's outputs from it with
+`handle.options(stream=True).generate.remote(...)`.
+
+Serve calls `check_health` every `health_check_period_s`: once the engine is dead (a worker killed,
+a node gone) it raises, and after a few failures Serve replaces the replica with one holding a new
+engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypedDict
 
+from fastapi import FastAPI
 from ray import serve
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
-from cluster.openai.app import log_stats_periodically
+from cluster.openai.app import ServerSettings, build_app, log_stats_periodically
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
@@ -25,39 +33,43 @@ from engine.input_processor import PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 class EngineState(TypedDict):
-    """What the ingress polls for its /metrics route."""
+    """What the separate ingress polls for its /metrics route."""
 
     errored: bool
     stats: dict[str, Any] | None  # the scheduler's latest counters; None once the engine is dead
     metrics: bytes  # this replica's Prometheus text: request counters, latency histograms, gauges
 
 
-@serve.deployment(name="LLMServer")
-class LLMServer:
+class EngineReplica:
     """One engine per replica. With the ray executor its workers go into the replica's placement
     group (worker rank i in bundle i), which `build_app` asks Serve to reserve for the replica."""
 
     async def __init__(
         self,
         engine_settings: dict[str, Any],
-        served_model_name: str,
-        log_stats_interval: float,
+        settings: ServerSettings,
         stream_batch_interval_s: float = 0.0,
+        niceness: int | None = None,
     ) -> None:
+        self._settings = settings
         self._stream_batch_interval_s = stream_batch_interval_s
+        if niceness is not None:
+            set_niceness(niceness)  # before the engine starts: its core process inherits it
         # Resolved here, once (the engine takes it as it is): the token-count histograms are bucketed
         # up to max_model_len.
         config = resolve_engine_config(EngineConfig.from_flat(**engine_settings))
-        self._prometheus = PrometheusStatLogger(served_model_name, config.model.max_model_len)
+        self._prometheus = PrometheusStatLogger(settings.served_model_names[0], config.model.max_model_len)
         log_stats = LoggingStatLogger()
         # Blocks this replica's event loop until the engine is ready: it has nothing to serve before.
         self.engine = AsyncLLMEngine.from_config(config, stat_loggers=[self._prometheus, log_stats])
         self._log_task: asyncio.Task | None = None
-        if log_stats_interval > 0:
+        if settings.log_stats_interval > 0:
             self._log_task = asyncio.create_task(
-                log_stats_periodically(self.engine, log_stats, log_stats_interval)
+                log_stats_periodically(self.engine, log_stats, settings.log_stats_interval)
             )
 
     async def generate(
@@ -102,3 +114,39 @@ class LLMServer:
             self._log_task.cancel()
         if hasattr(self, "engine"):
             self.engine.shutdown()
+
+
+class OpenAIEngineReplica(EngineReplica):
+    """An engine replica that is also the HTTP front door: OpenAI's routes, /health (503 once the
+    engine is dead), and /metrics from this replica's own stat logger, as `raypage api-server`."""
+
+    async def __serve_build_asgi_app__(self) -> FastAPI:
+        # Serve calls this on the replica's event loop once the constructor has run. The throughput
+        # log task is the constructor's, so the app gets no `log_stats` of its own.
+        return build_app(self.engine, self._settings, prometheus=self._prometheus)
+
+
+def set_niceness(niceness: int) -> None:
+    """Run this process's threads (and what they start from now on, the engine core among them) at
+    `niceness`: Ray starts its workers at 15, the same as Serve's controller and proxy, which on a
+    small machine then take the engine's CPU. Niceness is per thread on Linux, and Serve runs the
+    replica's code on a thread of its own. Lowering it needs CAP_SYS_NICE; without it the replica
+    keeps Ray's and says so."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the process's
+        threads = [0]
+    try:
+        for thread in threads:
+            os.setpriority(os.PRIO_PROCESS, thread, niceness)
+    except PermissionError:
+        current = os.getpriority(os.PRIO_PROCESS, 0)
+        logger.warning(
+            "cannot set the replica's niceness to %d (no CAP_SYS_NICE); keeping %d", niceness, current
+        )
+    except ProcessLookupError:  # a thread that has just ended
+        pass
+
+
+LLMServer = serve.deployment(name="LLMServer")(serve.ingress()(OpenAIEngineReplica))
+HandleLLMServer = serve.deployment(name="LLMServer")(EngineReplica)

@@ -1,6 +1,7 @@
 """The Ray Serve front door: `raypage serve` (a real subprocess, joined to this module's local Ray
 cluster) with the Ray executor at TP=2, exercised with the official openai client; a killed worker
-actor and the replica Serve puts in its place; the args parser on every Serve config file."""
+actor and the replica Serve puts in its place; the separate-ingress shape; `raypage serve` on a
+local cluster of its own behind HAProxy; the args parser on every Serve config file."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from ray.cluster_utils import Cluster
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.cli import main
+from cluster.serve import proxy_mode
 from cluster.serve.args import parse_app_args
-from cluster.serve_app import llm_server_options
+from cluster.serve_app import build_app, llm_server_options, required_cpus
 from engine import LLM, SamplingParams
 from tests.cluster.remote_server import REPO_ROOT, RemoteServer
 from tests.model.tiny_models import write_tiny_model
@@ -61,10 +63,11 @@ def wait_for_health(base_url: str, status: int, timeout_s: float) -> float:
     raise TimeoutError(f"/health did not answer {status} within {timeout_s:.0f} s")
 
 
-def processes_titled(prefix: str) -> list[psutil.Process]:
-    """This test's descendants (the cluster's processes among them) whose title starts with `prefix`."""
+def processes_titled(prefix: str, root: psutil.Process | None = None) -> list[psutil.Process]:
+    """The descendants of `root` (default: this test; the cluster's processes among them) whose title
+    starts with `prefix`."""
     found = []
-    for process in psutil.Process().children(recursive=True):
+    for process in (root or psutil.Process()).children(recursive=True):
         try:
             if " ".join(process.cmdline()).startswith(prefix):
                 found.append(process)
@@ -130,6 +133,41 @@ def test_ray_backend_reserves_one_bundle_per_worker_with_the_replica_in_the_firs
     assert options["placement_group_strategy"] == "PACK"
     assert options["ray_actor_options"] == {"num_cpus": 1}
     assert "placement_group_bundles" not in llm_server_options(parse_app_args({"tensor_parallel_size": 1}))
+
+
+def test_one_llm_server_deployment_is_the_ingress_unless_asked_for_a_separate_one() -> None:
+    engine = build_app({})._bound_deployment
+    assert engine.name == "LLMServer"
+    assert hasattr(engine.func_or_class, "__serve_build_asgi_app__")  # it serves the OpenAI app itself
+    assert required_cpus(parse_app_args({"llm_server_cpus": 2})) == 2.0
+
+    ingress = build_app({"ingress": "separate"})._bound_deployment
+    assert ingress.name == "OpenAIIngress"
+    (llm_server,) = [arg for arg in ingress.init_args if hasattr(arg, "_bound_deployment")]
+    assert llm_server._bound_deployment.name == "LLMServer"
+    assert not hasattr(llm_server._bound_deployment.func_or_class, "__serve_build_asgi_app__")
+    assert required_cpus(parse_app_args({"llm_server_cpus": 2, "ingress": "separate"})) == 3.0
+    with pytest.raises(ValueError, match="ingress"):
+        parse_app_args({"ingress": "both"})
+
+
+def test_haproxy_mode_is_the_default_where_serve_finds_haproxy_and_a_clear_error_where_not(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert proxy_mode.proxy_env("python") == {}
+    monkeypatch.setattr(proxy_mode, "haproxy_available", lambda: True)
+    assert proxy_mode.default_proxy_mode() == "haproxy"
+    assert proxy_mode.proxy_env("haproxy")["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    monkeypatch.setattr(proxy_mode, "haproxy_available", lambda: False)
+    assert proxy_mode.default_proxy_mode() == "python"
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--proxy-mode", "haproxy"])
+    assert exited.value.code == 2
+    assert "--proxy-mode haproxy needs an HAProxy binary" in capsys.readouterr().err
+    # A joined cluster's proxy is the one it was started with.
+    with pytest.raises(SystemExit):
+        main(["serve", "--address", "127.0.0.1:6379", "--proxy-mode", "python"])
+    assert "a joined cluster keeps its own" in capsys.readouterr().err
 
 
 def test_serve_rejects_a_bad_flag_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
@@ -243,23 +281,27 @@ def test_workers_run_in_the_replicas_placement_group(server: RemoteServer) -> No
     assert len(processes_titled("ray::RayWorker")) == 2
 
 
-@pytest.mark.slow
-def test_a_closed_stream_aborts_its_request(server: RemoteServer, client: openai.OpenAI) -> None:
+def assert_a_closed_stream_aborts(base_url: str, client: openai.OpenAI) -> None:
     aborted = 'raypage:request_success_total{finished_reason="abort"'
-    aborted_before = metric(server.base_url, aborted)
+    aborted_before = metric(base_url, aborted)
     stream = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=480, temperature=0.0, stream=True
     )
     chunks = iter(stream)
     next(chunks), next(chunks)  # generating now
     stream.close()
-    # The ingress polls the replica's metrics every second.
+    # A separate ingress polls the replica's metrics every second.
     deadline = time.monotonic() + 10
-    while metric(server.base_url, aborted) == aborted_before and time.monotonic() < deadline:
+    while metric(base_url, aborted) == aborted_before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert metric(server.base_url, aborted) == aborted_before + 1
-    assert metric(server.base_url, "raypage:num_requests_running") == 0
-    assert metric(server.base_url, "raypage:kv_cache_usage_perc") == 0
+    assert metric(base_url, aborted) == aborted_before + 1
+    assert metric(base_url, "raypage:num_requests_running") == 0
+    assert metric(base_url, "raypage:kv_cache_usage_perc") == 0
+
+
+@pytest.mark.slow
+def test_a_closed_stream_aborts_its_request(server: RemoteServer, client: openai.OpenAI) -> None:
+    assert_a_closed_stream_aborts(server.base_url, client)
 
 
 @pytest.mark.slow
@@ -290,3 +332,69 @@ def test_killed_worker_fails_the_request_and_serve_replaces_the_replica(
     new_workers = processes_titled("ray::RayWorker")
     assert len(new_workers) == 2 and not {p.pid for p in new_workers} & {p.pid for p in workers}
     assert len(processes_titled("ray::ServeReplica:raypage:LLMServer")) == 1
+
+
+# ---- `raypage serve` on a local cluster of its own: each proxy mode, each ingress shape ---------------
+
+
+def serve_on_its_own_cluster(flags: list[str], tiny_model: Path, log_path: Path) -> RemoteServer:
+    return RemoteServer(
+        [
+            *flags,
+            "--served-model-name",
+            MODEL,
+            "--api-key",
+            API_KEY,
+            "--llm-server-cpus",
+            "1",
+            *engine_flags(tiny_model),
+        ],
+        log_path,
+        command="serve",
+        stop_timeout_s=60,
+    )
+
+
+def serve_processes(server: RemoteServer, title: str) -> list[psutil.Process]:
+    """The processes of the server's own cluster whose title starts with `title`."""
+    return processes_titled(title, psutil.Process(server.process.pid))
+
+
+@pytest.mark.slow
+def test_a_separate_ingress_behind_the_python_proxy_serves_the_same_texts(
+    tiny_model: Path, expected: dict[str, str], tmp_path: Path
+) -> None:
+    server = serve_on_its_own_cluster(
+        ["--proxy-mode", "python", "--ingress", "separate"], tiny_model, tmp_path / "serve.log"
+    )
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        assert_serves_greedy_texts(client, expected)
+        assert len(serve_processes(server, "ray::ServeReplica:raypage:OpenAIIngress")) == 1
+        assert_a_closed_stream_aborts(server.base_url, client)
+    finally:
+        assert server.stop() == 0, server.log_tail()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not proxy_mode.haproxy_available(), reason="Serve finds no HAProxy binary here")
+def test_serve_behind_haproxy_on_its_own_cluster(
+    tiny_model: Path, expected: dict[str, str], tmp_path: Path
+) -> None:
+    server = serve_on_its_own_cluster(["--proxy-mode", "haproxy"], tiny_model, tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        assert_serves_greedy_texts(client, expected)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert_a_closed_stream_aborts(server.base_url, client)
+        haproxy = [
+            p for p in psutil.Process(server.process.pid).children(recursive=True) if p.name() == "haproxy"
+        ]
+        assert len(haproxy) == 1
+        # The replica and its engine core run at the niceness asked for (0, the default), not Ray's 15.
+        (replica,) = serve_processes(server, "ray::ServeReplica:raypage:LLMServer")
+        (core,) = [p for p in replica.children() if "spawn_main" in " ".join(p.cmdline())]
+        assert core.nice() == 0
+    finally:
+        assert server.stop() == 0, server.log_tail()
