@@ -29,7 +29,9 @@ class ServeOptions(BaseModel):
         None, description="Names clients use in 'model'; None: the model path, or the packaged model's name"
     )
     api_key: str | None = Field(
-        None, description="Require 'Authorization: Bearer KEY' on every route but /health and /metrics"
+        None,
+        repr=False,  # never in a log line (Serve logs its deployments' arguments)
+        description="Require 'Authorization: Bearer KEY' on every route but /health and /metrics",
     )
     max_request_body_bytes: int = Field(1 << 20, gt=0, description="Larger request bodies get 413")
     log_stats_interval: float = Field(
