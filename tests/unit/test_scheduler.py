@@ -11,15 +11,17 @@ import pytest
 from engine.outputs import FinishReason, ModelRunnerOutput
 from engine.request import RequestStatus, SequenceStatus
 from tests.unit.scheduler_helpers import (
-    assert_all_free,
     collect,
-    held_blocks,
     make_request,
     outputs_by_id,
     run_until_done,
     scheduler_and_worker,
     step,
     two_growing_requests,
+)
+from tests.unit.scheduler_invariants import (
+    assert_all_free,
+    held_blocks,
 )
 
 setup = scheduler_and_worker

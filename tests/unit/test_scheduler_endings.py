@@ -10,9 +10,6 @@ from engine.outputs import FinishReason
 from engine.request import RequestStatus, SequenceStatus
 from tests.unit.scheduler_helpers import (
     FakeWorker,
-    assert_all_free,
-    check_invariants,
-    held_blocks,
     make_request,
     make_scheduler,
     outputs_by_id,
@@ -21,6 +18,11 @@ from tests.unit.scheduler_helpers import (
     scripted,
     step,
     two_growing_requests,
+)
+from tests.unit.scheduler_invariants import (
+    assert_all_free,
+    check_invariants,
+    held_blocks,
 )
 
 setup = scheduler_and_worker

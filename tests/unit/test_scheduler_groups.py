@@ -15,16 +15,18 @@ from engine.outputs import FinishReason
 from engine.request import RequestStatus, SequenceStatus
 from tests.unit.reference_beam_search import reference_beam_search, reference_sequence
 from tests.unit.scheduler_helpers import (
-    assert_all_free,
-    check_invariants,
     collect,
-    held_blocks,
     indexed_token_fn,
     make_beam_request,
     make_request,
     run_until_done,
     scheduler_and_worker,
     step,
+)
+from tests.unit.scheduler_invariants import (
+    assert_all_free,
+    check_invariants,
+    held_blocks,
     swapped_blocks,
 )
 

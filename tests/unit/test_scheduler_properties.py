@@ -23,14 +23,16 @@ from engine.scheduler import Scheduler
 from tests.unit.reference_beam_search import reference_beam_search, reference_sequence
 from tests.unit.scheduler_helpers import (
     FakeWorker,
-    assert_all_free,
-    check_invariants,
-    held_blocks,
     make_beam_request,
     make_request,
     make_scheduler,
     output_key,
     seq_index,
+)
+from tests.unit.scheduler_invariants import (
+    assert_all_free,
+    check_invariants,
+    held_blocks,
     swapped_blocks,
 )
 
