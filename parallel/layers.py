@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.comm import tensor_parallel_all_gather, tensor_parallel_all_reduce
+from parallel.onednn import can_prepack, linear, prepack_weight
 from parallel.state import get_parallel_state
 
 WeightLoader = Callable[..., None]
@@ -53,7 +54,18 @@ class _TensorParallelModule(nn.Module):
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
 
 
-class ColumnParallelLinear(_TensorParallelModule):
+class _PrepackableLinear(_TensorParallelModule):
+    """A linear layer whose loaded weight can be swapped for oneDNN's prepacked copy (see onednn.py)."""
+
+    weight: nn.Parameter
+
+    def prepack(self) -> None:
+        """Replace the weight by its prepacked copy, where oneDNN supports its dtype; call after loading."""
+        if can_prepack(self.weight):
+            self.weight = nn.Parameter(prepack_weight(self.weight), requires_grad=False)
+
+
+class ColumnParallelLinear(_PrepackableLinear):
     """y = x W^T + b with W split by output rows; each rank returns its slice of y."""
 
     def __init__(
@@ -70,7 +82,7 @@ class ColumnParallelLinear(_TensorParallelModule):
         _copy_checked(param, loaded.narrow(0, self.tp_rank * size, size), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -143,7 +155,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
 
-class RowParallelLinear(_TensorParallelModule):
+class RowParallelLinear(_PrepackableLinear):
     """y = x W^T + b with W split by input columns; the partial sums are all-reduced."""
 
     def __init__(
@@ -159,7 +171,7 @@ class RowParallelLinear(_TensorParallelModule):
         _copy_checked(param, loaded.narrow(1, self.tp_rank * size, size), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_parallel_all_reduce(F.linear(x, self.weight))
+        out = tensor_parallel_all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -195,9 +207,32 @@ class VocabParallelEmbedding(_TensorParallelModule):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection onto a vocabulary split like the embedding; logits gathered for sampling."""
 
+    is_tied = False  # whether the weight is the embedding's own (tie_word_embeddings)
+
+    # A prepacked copy of a weight tied to the embedding, whose lookups need the plain table.
+    tied_logits_weight: torch.Tensor | None = None
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.is_tied = True
+
+    def prepack(self) -> None:
+        """Prepack the weight in place, or into a copy when the embedding shares it."""
+        if not can_prepack(self.weight):
+            return
+        if self.is_tied:
+            self.tied_logits_weight = prepack_weight(self.weight)
+        else:
+            self.weight = nn.Parameter(prepack_weight(self.weight), requires_grad=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tensor_parallel_all_gather(F.linear(hidden, self.weight), dim=-1)
+        weight = self.weight if self.tied_logits_weight is None else self.tied_logits_weight
+        logits = tensor_parallel_all_gather(linear(hidden, weight), dim=-1)
         return logits[..., : self.num_embeddings]
+
+
+def prepack_linear_weights(model: nn.Module) -> None:
+    """Prepack every linear weight of a loaded model that oneDNN can run prepacked."""
+    for module in model.modules():
+        if isinstance(module, (_PrepackableLinear, ParallelLMHead)):
+            module.prepack()
