@@ -104,6 +104,8 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "api_key": args.api_key,
         "max_request_body_bytes": args.max_request_body_bytes,
         "log_stats_interval": args.log_stats_interval,
+        "request_timeout_s": args.request_timeout,
+        "drain_timeout_s": args.drain_timeout_s,
         "enable_access_log": not args.disable_access_log,
         "ingress": args.ingress,
         "replica_niceness": args.replica_niceness,
