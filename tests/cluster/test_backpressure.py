@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from cluster.cli import build_parser, main
+from cluster.openai.api_server import server_settings
 from tests.cluster.remote_server import RemoteServer
 from tests.model.tiny_models import write_tiny_model
 
@@ -142,3 +144,18 @@ def test_an_invalid_timeout_is_a_400_naming_the_field(server: RemoteServer, time
     response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "timeout"
+
+
+def test_the_server_flags_are_checked_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["api-server", "--request-timeout", "2.5", "--drain-timeout-s", "4"])
+    assert server_settings(args).request_timeout_s == 2.5 and args.drain_timeout_s == 4
+    for flags, name in (
+        (["--request-timeout", "0"], "request_timeout_s"),
+        (["--drain-timeout-s", "-1"], "--drain-timeout-s"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(["api-server", *flags])
+        assert exited.value.code == 2 and name in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["api-server", "--max-waiting-requests", "-2"])
+    assert "--max-waiting-requests" in capsys.readouterr().err

@@ -12,7 +12,12 @@ import psutil
 import pytest
 
 from cluster.serve.args import parse_app_args
-from cluster.serve_app import DRAIN_POLL_S, ingress_options, llm_server_options
+from cluster.serve_app import (
+    DRAIN_POLL_S,
+    UNBOUNDED_MAX_ONGOING_REQUESTS,
+    ingress_options,
+    llm_server_options,
+)
 from engine.config import WAITING_REQUESTS_PER_SEQ
 from tests.cluster.remote_server import RemoteServer
 from tests.model.tiny_models import write_tiny_model
@@ -32,6 +37,9 @@ def test_serve_takes_no_more_requests_than_the_engine_admits() -> None:
     assert llm_server_options(settings)["max_ongoing_requests"] == 8 * (1 + WAITING_REQUESTS_PER_SEQ)
     assert ingress_options(settings)["max_ongoing_requests"] == 2 * 8 * (1 + WAITING_REQUESTS_PER_SEQ)
     assert llm_server_options(parse_app_args({"max_ongoing_requests": 7}))["max_ongoing_requests"] == 7
+    unbounded = llm_server_options(parse_app_args({"max_waiting_requests": -1}))
+    assert unbounded["max_ongoing_requests"] == UNBOUNDED_MAX_ONGOING_REQUESTS
+    assert parse_app_args({"request_timeout_s": 2.5}).server.request_timeout_s == 2.5
     with pytest.raises(ValueError, match="drain_timeout_s"):
         parse_app_args({"drain_timeout_s": -1})
     with pytest.raises(ValueError, match="max_waiting_requests"):
