@@ -109,8 +109,9 @@ class EngineReplica:
 
     def __del__(self) -> None:
         # Serve calls this when it stops the replica (raypage serve's SIGTERM, a replacement, a
-        # scale-down), once its requests in flight finished or drain_timeout_s passed: what is left
-        # ends with finish_reason "abort", and the engine's core process and workers go with it.
+        # scale-down) once its requests in flight have finished (if drain_timeout_s passes first,
+        # Serve kills the replica instead): anything left ends with finish_reason "abort", and the
+        # engine's core process and workers go with it.
         # A replica whose engine failed to start has neither attribute.
         if getattr(self, "_log_task", None) is not None:
             self._log_task.cancel()

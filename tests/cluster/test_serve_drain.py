@@ -18,11 +18,14 @@ from cluster.serve_app import (
     ingress_options,
     llm_server_options,
 )
-from engine.config import WAITING_REQUESTS_PER_SEQ
+from engine.config import DEFAULT_WAITING_BATCHES
 from tests.cluster.remote_server import RemoteServer
 from tests.model.tiny_models import write_tiny_model
 
 MODEL = "tiny"
+# Long enough (hundreds of engine steps) that the streams are still running when Serve starts
+# stopping the replica; the drain timeout is far longer than they need.
+STREAM_MAX_TOKENS = 200
 
 
 def test_serve_takes_no_more_requests_than_the_engine_admits() -> None:
@@ -34,8 +37,8 @@ def test_serve_takes_no_more_requests_than_the_engine_admits() -> None:
 
     # The default waiting queue, several replicas behind a separate ingress, an explicit override.
     settings = parse_app_args({"max_num_seqs": 8, "ingress": "separate", "num_replicas": 2})
-    assert llm_server_options(settings)["max_ongoing_requests"] == 8 * (1 + WAITING_REQUESTS_PER_SEQ)
-    assert ingress_options(settings)["max_ongoing_requests"] == 2 * 8 * (1 + WAITING_REQUESTS_PER_SEQ)
+    assert llm_server_options(settings)["max_ongoing_requests"] == 8 * (1 + DEFAULT_WAITING_BATCHES)
+    assert ingress_options(settings)["max_ongoing_requests"] == 2 * 8 * (1 + DEFAULT_WAITING_BATCHES)
     assert llm_server_options(parse_app_args({"max_ongoing_requests": 7}))["max_ongoing_requests"] == 7
     unbounded = llm_server_options(parse_app_args({"max_waiting_requests": -1}))
     assert unbounded["max_ongoing_requests"] == UNBOUNDED_MAX_ONGOING_REQUESTS
@@ -73,7 +76,9 @@ def test_sigterm_to_raypage_serve_drains_the_streams_and_leaves_no_process(tmp_p
         api = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         prompts = [f"Once upon a time {index}" for index in range(4)]
         alone = [
-            api.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0).choices[0].text
+            api.completions.create(model=MODEL, prompt=prompt, max_tokens=STREAM_MAX_TOKENS, temperature=0)
+            .choices[0]
+            .text
             for prompt in prompts
         ]
         tree = psutil.Process(server.process.pid).children(recursive=True)
@@ -84,7 +89,7 @@ def test_sigterm_to_raypage_serve_drains_the_streams_and_leaves_no_process(tmp_p
             )
             started = [asyncio.Event() for _ in prompts]
             streams = [
-                asyncio.create_task(stream(async_api, prompt, 48, event))
+                asyncio.create_task(stream(async_api, prompt, STREAM_MAX_TOKENS, event))
                 for prompt, event in zip(prompts, started, strict=True)
             ]
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 120)
