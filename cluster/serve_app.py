@@ -18,6 +18,11 @@ from cluster.serve.args import ServeAppSettings, parse_app_args
 from cluster.serve.ingress import OpenAIIngress
 from cluster.serve.llm_server import HandleLLMServer, LLMServer
 
+# Serve needs a bound even when the engine has none (max_waiting_requests: -1).
+UNBOUNDED_MAX_ONGOING_REQUESTS = 100_000
+# Seconds between a stopping replica's checks for requests still in flight.
+DRAIN_POLL_S = 0.5
+
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The application from the Serve config's (or the command line's) args; ValueError on a bad one."""
@@ -38,15 +43,35 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     )
 
 
+def replica_max_ongoing_requests(settings: ServeAppSettings) -> int:
+    """Requests one LLMServer replica takes at once: as set, else what its engine admits (beyond
+    which the engine would answer 503 anyway); Serve queues the rest in front of the replicas."""
+    if settings.options.max_ongoing_requests is not None:
+        return settings.options.max_ongoing_requests
+    admitted = settings.engine_config.scheduler.max_admitted_requests
+    return admitted if admitted is not None else UNBOUNDED_MAX_ONGOING_REQUESTS
+
+
+def graceful_shutdown_options(settings: ServeAppSettings) -> dict[str, float]:
+    """Serve's graceful shutdown of a replica, from drain_timeout_s: a stopping replica takes no new
+    requests and gets that long for those in flight (polled every DRAIN_POLL_S) before Serve calls
+    its destructor, which aborts what is left and stops the engine, or kills it when time is up."""
+    return {
+        "graceful_shutdown_timeout_s": settings.options.drain_timeout_s,
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+    }
+
+
 def llm_server_options(settings: ServeAppSettings) -> dict[str, Any]:
-    """Deployment options of LLMServer: replicas, health checks, and with the ray executor the
-    placement group its workers go into."""
+    """Deployment options of LLMServer: replicas, admission, health checks, graceful shutdown, and
+    with the ray executor the placement group its workers go into."""
     options = settings.options
     deployment: dict[str, Any] = {
         "num_replicas": options.num_replicas,
-        "max_ongoing_requests": options.max_ongoing_requests,
+        "max_ongoing_requests": replica_max_ongoing_requests(settings),
         "health_check_period_s": options.health_check_period_s,
         "health_check_timeout_s": options.health_check_timeout_s,
+        **graceful_shutdown_options(settings),
         "ray_actor_options": {"num_cpus": options.llm_server_cpus},
         # Behind a separate ingress its calls come from there (which logs every HTTP request) and
         # from its state poll.
@@ -64,7 +89,9 @@ def llm_server_options(settings: ServeAppSettings) -> dict[str, Any]:
 def ingress_options(settings: ServeAppSettings) -> dict[str, Any]:
     options = settings.options
     return {
-        "max_ongoing_requests": options.max_ongoing_requests,
+        # Every LLMServer replica's share passes through the ingress.
+        "max_ongoing_requests": options.num_replicas * replica_max_ongoing_requests(settings),
+        **graceful_shutdown_options(settings),
         "ray_actor_options": {"num_cpus": options.ingress_cpus},
         "logging_config": {"enable_access_log": options.enable_access_log},
     }

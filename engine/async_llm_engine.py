@@ -19,7 +19,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.core_client import DEFAULT_READY_TIMEOUT_S, EngineCoreClient
-from engine.exceptions import EngineDeadError
+from engine.exceptions import EngineDeadError, EngineOverloadedError
 from engine.input_processor import PromptType
 from engine.llm_engine import build_front_end
 from engine.output_processor import OutputProcessor
@@ -133,6 +133,7 @@ class AsyncLLMEngine:
         self._check_alive()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_admission()
         request, prompt_text = self.input_processor.process(request_id, prompt, params, priority=priority)
         self._start_output_handler()
         queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
@@ -145,6 +146,28 @@ class AsyncLLMEngine:
             del self._queues[request_id]
             raise
         return queue
+
+    def _check_admission(self) -> None:
+        """Refuse a request past max_num_seqs + max_waiting_requests unfinished ones. Counted here,
+        from what this front end sent and has not seen finish, so the count is exact whatever the
+        core process has got to; the core's own waiting count lags a step behind."""
+        limit = self.config.scheduler.max_admitted_requests
+        if limit is not None and len(self.output_processor.requests) >= limit:
+            scheduler = self.config.scheduler
+            raise EngineOverloadedError(
+                f"The server is overloaded: {limit} requests are already running or waiting "
+                f"(max_num_seqs={scheduler.max_num_seqs} + max_waiting_requests="
+                f"{limit - scheduler.max_num_seqs}). Please retry later."
+            )
+
+    def abort_all(self) -> None:
+        """Abort every unfinished request: each stream ends with finish_reason "abort" (a draining
+        server's last step)."""
+        self._abort_all(list(self.output_processor.requests))
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
 
     def _abort(self, request_id: str) -> None:
         outputs = self.output_processor.abort_requests([request_id], self._aborted_stats)

@@ -20,6 +20,8 @@ from engine.models.arch_config import ArchConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 ExecutorBackend = Literal["uni", "mp", "ray"]
+# The default waiting queue of a server's engine, in batches of max_num_seqs.
+DEFAULT_WAITING_BATCHES = 3
 
 _SIZE_UNITS = {
     "": 1,
@@ -110,6 +112,26 @@ class SchedulerConfig(_Section):
         description="How to evict a running request when blocks run out; None: recompute a single "
         "sequence, swap a group of sequences (parallel sampling, beam search) to the CPU",
     )
+    max_waiting_requests: int | None = Field(
+        None,
+        ge=-1,
+        description="Requests a server's engine admits beyond max_num_seqs (its waiting queue); past "
+        "max_num_seqs + this, new requests are refused (HTTP 503 with Retry-After). None: "
+        f"{DEFAULT_WAITING_BATCHES} x max_num_seqs; -1: no bound. The offline LLM never refuses",
+    )
+
+    @property
+    def max_admitted_requests(self) -> int | None:
+        """Unfinished requests a server's engine holds at most (running + waiting); None: no bound.
+
+        The default waiting queue is a few times max_num_seqs, the most one step runs (and the batch
+        the workers profile memory at): a request past it would wait behind several full batches, and
+        gains more from a 503 it can retry elsewhere than from a queue that only grows.
+        """
+        waiting = self.max_waiting_requests
+        if waiting is None:
+            waiting = DEFAULT_WAITING_BATCHES * self.max_num_seqs
+        return None if waiting == -1 else self.max_num_seqs + waiting
 
 
 class ParallelConfig(_Section):

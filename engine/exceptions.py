@@ -11,3 +11,8 @@ class EngineDeadError(RuntimeError):
 class EngineStartupError(RuntimeError):
     """The engine core process could not start: the message says why (the core's own error, its
     exit code, or the timeout)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """A new request was refused because the engine already holds as many unfinished requests as it
+    admits (max_num_seqs + max_waiting_requests); nothing was queued, and the caller may retry."""

@@ -13,13 +13,16 @@ import uvicorn
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, served_model_names
+from cluster.openai.drain import DrainingServer, DrainState
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
 
 API_KEY_ENV = "RAYPAGE_API_KEY"
-# Seconds that in-flight requests get to finish after SIGTERM or Ctrl-C.
+# Seconds uvicorn waits for open connections once the drain is over (their responses are complete
+# by then: only idle keep-alive connections are left to close).
 GRACEFUL_SHUTDOWN_S = 5
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +53,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds between throughput log lines; 0 turns them off (default: 10)",
     )
+    group.add_argument(
+        "--request-timeout",
+        type=float,
+        help="seconds after which a request that sets no 'timeout' of its own is aborted (504, or an "
+        "error event in a stream) (default: none)",
+    )
+    group.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="after SIGTERM or SIGINT, seconds the requests in flight get to finish (new ones get 503) "
+        f"before the rest are aborted (default: {DEFAULT_DRAIN_TIMEOUT_S:g})",
+    )
     group.add_argument("--disable-access-log", action="store_true", help="do not log every request")
 
 
@@ -57,17 +73,21 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     """The app settings from the parsed flags; ValueError on a bad one."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.drain_timeout_s < 0:
+        raise ValueError(f"--drain-timeout-s must be at least 0, got {args.drain_timeout_s}")
     model = getattr(args, "model", None)
     return ServerSettings(
         served_model_names=served_model_names(args.served_model_name, model),
         api_key=args.api_key or None,
         max_request_body_bytes=args.max_request_body_bytes,
         log_stats_interval=args.log_stats_interval,
+        request_timeout_s=args.request_timeout,
     )
 
 
 def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None:
-    """Start the engine core, then serve until SIGINT or SIGTERM; the engine is shut down after."""
+    """Start the engine core, then serve until SIGINT or SIGTERM, which drain the server (see
+    `cluster.openai.drain`); the engine is shut down after, and the process exits with status 0."""
     settings = server_settings(args)
     # Resolved here, once (the engine takes it as it is): the token-count histograms are bucketed
     # up to max_model_len.
@@ -76,15 +96,19 @@ def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) ->
     log_stats = LoggingStatLogger()
     engine = AsyncLLMEngine.from_config(config, stat_loggers=[prometheus, log_stats])
     try:
-        app = build_app(engine, settings, prometheus, log_stats)
-        server = uvicorn.Server(
+        drain = DrainState()
+        app = build_app(engine, settings, prometheus, log_stats, drain)
+        server = DrainingServer(
             uvicorn.Config(
                 app,
                 host=args.host,
                 port=args.port,
                 access_log=not args.disable_access_log,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            )
+            ),
+            drain,
+            engine,
+            args.drain_timeout_s,
         )
         server.run()
     finally:

@@ -23,10 +23,12 @@ from pydantic import SecretStr
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.catch_all import CatchAllMiddleware
+from cluster.openai.drain import DrainMiddleware, DrainState
 from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError, install_error_handlers
 from cluster.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from cluster.openai.protocol import (
+    MAX_TIMEOUT_S,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -56,12 +58,18 @@ class ServerSettings:
     api_key: str | None = dataclasses.field(default=None, repr=False)  # never in a log line
     max_request_body_bytes: int = 1 << 20
     log_stats_interval: float = 10.0  # seconds between throughput log lines; 0 turns them off
+    # Deadline of a request that sets no `timeout` of its own; None: none.
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("served_model_names must name at least one model")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
+        if self.request_timeout_s is not None and not 0 < self.request_timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"request_timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.request_timeout_s}"
+            )
 
 
 def served_model_names(requested: str | list[str] | None, model: str | None) -> list[str]:
@@ -93,16 +101,19 @@ def build_app(
     settings: ServerSettings,
     prometheus: MetricsSource | None = None,
     log_stats: LoggingStatLogger | None = None,
+    drain: DrainState | None = None,
 ) -> FastAPI:
     """The app serving `engine` under `settings.served_model_names`.
 
     `prometheus` and `log_stats` are the stat loggers the engine was started with; without
     `prometheus` the app keeps its own, whose gauges /metrics refreshes from `engine.get_stats()`.
+    With `drain` the app counts its requests in flight and refuses new ones once it drains.
     """
     max_model_len = engine.config.model.max_model_len
     prometheus = prometheus or PrometheusStatLogger(settings.served_model_names[0], max_model_len)
-    completion = OpenAIServingCompletion(engine, settings.served_model_names)
-    chat = OpenAIServingChat(engine, settings.served_model_names)
+    timeout_s = settings.request_timeout_s
+    completion = OpenAIServingCompletion(engine, settings.served_model_names, timeout_s)
+    chat = OpenAIServingChat(engine, settings.served_model_names, timeout_s)
     tokenization = OpenAIServingTokenization(engine, settings.served_model_names)
 
     @contextlib.asynccontextmanager
@@ -173,6 +184,8 @@ def build_app(
     if settings.api_key:
         key = SecretStr(settings.api_key)  # app.user_middleware's repr shows its arguments
         app.add_middleware(ApiKeyMiddleware, api_key=key, open_paths=OPEN_PATHS)
+    if drain is not None:
+        app.add_middleware(DrainMiddleware, state=drain)
     # Outermost: every response (401 and 413 too) carries the request id, and nothing escapes.
     app.add_middleware(CatchAllMiddleware)
     return app

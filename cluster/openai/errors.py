@@ -3,8 +3,9 @@
 Every failure a client can see is `{"error": {"message", "type", "param", "code"}}` with the
 matching status: 400 for bad requests (malformed JSON, invalid fields, prompts over the context),
 401 for a missing or wrong API key, 404 for an unknown model or route, 409 for a prefix-cache reset
-while requests run, 413 for oversized bodies,
-503 when the engine is dead, 500 for anything unexpected (whose traceback the server logs with the
+while requests run, 413 for oversized bodies, 503 with a `Retry-After` header when the engine is
+dead, full (max_waiting_requests) or the server is draining, 504 when a request's deadline passed
+(`timeout`), 500 for anything unexpected (whose traceback the server logs with the
 request id: see catch_all.py, which keeps any exception from reaching the server).
 """
 
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from cluster.openai.input_checks import INVALID_UNICODE
 from cluster.openai.protocol import ErrorInfo, ErrorResponse
-from engine.exceptions import EngineDeadError
+from engine.exceptions import EngineDeadError, EngineOverloadedError
 
 # The class names of the official openai client's exceptions for these statuses (as vLLM uses).
 _ERROR_TYPES = {
@@ -32,7 +33,10 @@ _ERROR_TYPES = {
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+    HTTPStatus.GATEWAY_TIMEOUT: "TimeoutError",
 }
+# Seconds a client should wait before retrying a 503 (the engine full, draining, or being replaced).
+RETRY_AFTER_S = 1
 # The engine's validation messages start with the field they are about ("temperature must be ...").
 _LEADING_NAME = re.compile(r"[a-z_]+")
 
@@ -56,13 +60,22 @@ def error_body(status: HTTPStatus, message: str, param: str | None = None) -> Er
 
 
 def error_response(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status.value)
+    return body_response(error_body(status, message, param))
+
+
+def body_response(body: ErrorResponse) -> JSONResponse:
+    """The error as a response; a 503 says when to retry."""
+    unavailable = body.error.code == HTTPStatus.SERVICE_UNAVAILABLE
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if unavailable else None
+    return JSONResponse(body.model_dump(), status_code=body.error.code, headers=headers)
 
 
 def describe_exception(exc: BaseException, known_params: frozenset[str] = frozenset()) -> ErrorResponse:
     """The error body for an exception raised while serving a request (also used mid-stream)."""
     if isinstance(exc, OpenAIError):
         return error_body(exc.status, exc.message, exc.param)
+    if isinstance(exc, EngineOverloadedError):
+        return error_body(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
     if isinstance(exc, EngineDeadError):
         return error_body(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine is not running: {exc}")
     if isinstance(exc, ValueError):
@@ -98,8 +111,7 @@ def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
     that a ValueError's message may name."""
 
     async def on_exception(request: Request, exc: Exception) -> JSONResponse:
-        body = describe_exception(exc, known_params)
-        return JSONResponse(body.model_dump(), status_code=body.error.code)
+        return body_response(describe_exception(exc, known_params))
 
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
@@ -112,5 +124,5 @@ def install_error_handlers(app: FastAPI, known_params: frozenset[str]) -> None:
     app.add_exception_handler(HTTPException, on_http_exception)
     # Not `Exception`: Starlette re-raises after answering it, which drops the connection;
     # CatchAllMiddleware answers the unexpected ones instead.
-    for exc_type in (OpenAIError, EngineDeadError, ValueError):
+    for exc_type in (OpenAIError, EngineDeadError, EngineOverloadedError, ValueError):
         app.add_exception_handler(exc_type, on_exception)

@@ -27,6 +27,8 @@ MAX_TOP_LOGPROBS = 20
 # Each stop string is matched after every generated token; vLLM sets no bound, the body limit does
 # here too, but a list this long is a mistake (or an attack) rather than a use.
 MAX_STOP_STRINGS = 256
+# The longest per-request deadline (`timeout`): a day; a longer one is a mistake, not a use.
+MAX_TIMEOUT_S = 86400.0
 # The engine's requests travel as msgpack, whose integers are 64-bit.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
@@ -80,6 +82,9 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: Int64 = 0
+    # raypage's extension: seconds after which the request is aborted (a 504, or an error event in a
+    # stream); None: the server's --request-timeout, if any.
+    timeout: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:

@@ -73,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         self.validate(prompt, params)
         request_id = random_id("chatcmpl")
-        outputs = self.generate(request_id, [prompt], [params], request.priority)
+        outputs = self.generate(request_id, [prompt], [params], request.priority, request.timeout)
         call = ServingCall(request, model, request_id, [prompt], outputs)
         return await self.respond(call, raw_request, self._stream, self._collect)
 

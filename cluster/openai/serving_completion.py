@@ -59,7 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.validate(prompt, prompt_params)
             params.append(prompt_params)
         request_id = random_id("cmpl")
-        outputs = self.generate(request_id, prompts, params, request.priority)
+        outputs = self.generate(request_id, prompts, params, request.priority, request.timeout)
         call = ServingCall(request, model, request_id, prompts, outputs)
         return await self.respond(call, raw_request, self._stream, self._collect)
 

@@ -1,5 +1,5 @@
 """What the completion and chat handlers share: model names, the context check, validation, and
-running a request's prompts through the engine."""
+running a request's prompts through the engine, within the request's deadline."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ from starlette.responses import Response
 from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError
 from cluster.openai.protocol import ChatMessage, UsageInfo
-from cluster.openai.streaming import SSEResponse, merge_streams, run_until_disconnect, sse_stream
+from cluster.openai.streaming import (
+    PrimedStream,
+    SSEResponse,
+    merge_streams,
+    run_until_disconnect,
+    sse_stream,
+    within_deadline,
+)
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import render_chat_prompt
@@ -54,9 +61,12 @@ def random_id(prefix: str) -> str:
 class OpenAIServing:
     """Base of the route handlers: one engine, the names it is served under."""
 
-    def __init__(self, engine: EngineClient, served_model_names: Sequence[str]) -> None:
+    def __init__(
+        self, engine: EngineClient, served_model_names: Sequence[str], default_timeout_s: float | None = None
+    ) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
+        self.default_timeout_s = default_timeout_s
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model.max_model_len
 
@@ -124,8 +134,18 @@ class OpenAIServing:
         collect: Callable[[ServingCall], Awaitable[BaseModel]],
     ) -> Response | None:
         """Server-sent events of `stream(call)` when the client asked for a stream, else the JSON of
-        `collect(call)`; None (nobody to answer) once the client disconnected."""
+        `collect(call)`; None (nobody to answer) once the client disconnected.
+
+        A stream starts once the engine has sent its first output, so that what fails before then
+        (the engine full or dead, the deadline passed) is an HTTP error status, not an error event.
+        """
         if getattr(call.request, "stream", False):
+            outputs = call.outputs
+            first = await run_until_disconnect(raw_request, anext(outputs))
+            if first is None:
+                await outputs.aclose()  # type: ignore[attr-defined]
+                return None
+            call.outputs = PrimedStream(first, outputs)
             return SSEResponse(sse_stream(stream(call)))
         response = await run_until_disconnect(raw_request, collect(call))
         return Response(response.model_dump_json(), media_type="application/json") if response else None
@@ -136,13 +156,20 @@ class OpenAIServing:
         self.engine.input_processor.process("validation", {"prompt_token_ids": prompt.token_ids}, params)
 
     async def generate(
-        self, request_id: str, prompts: list[EnginePrompt], params: list[SamplingParams], priority: int
+        self,
+        request_id: str,
+        prompts: list[EnginePrompt],
+        params: list[SamplingParams],
+        priority: int,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of every prompt's engine request as they come, tagged with the prompt index.
 
-        Leaving early (a client disconnect, an error) closes every engine stream, which aborts the
-        requests still running and frees their blocks.
+        Leaving early (a client disconnect, an error, the deadline `timeout_s` seconds from now, else
+        the server's default, passing: a 504) closes every engine stream, which aborts the requests
+        still running and frees their blocks.
         """
+        timeout_s = timeout_s or self.default_timeout_s
         streams = [
             self.engine.generate(
                 {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
@@ -154,11 +181,20 @@ class OpenAIServing:
         ]
         try:
             async with contextlib.aclosing(merge_streams(streams)) as merged:
-                async for item in merged:
+                async for item in within_deadline(merged, timeout_s, _deadline_error):
                     yield item
         finally:
             for stream in streams:
                 await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _deadline_error(timeout_s: float) -> OpenAIError:
+    # 504 rather than 408: the client sent its request in time; the server gave up on generating.
+    return OpenAIError(
+        HTTPStatus.GATEWAY_TIMEOUT,
+        f"The request did not finish within its timeout of {timeout_s:g} s and was aborted.",
+        "timeout",
+    )
 
 
 def raise_on_error(output: RequestOutput) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -122,3 +122,47 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class PrimedStream(Generic[T]):
+    """`first`, then the rest of `rest`: a stream whose first item was awaited before the response
+    started. Closing it closes `rest`, even when it was never iterated."""
+
+    def __init__(self, first: T, rest: AsyncIterator[T]) -> None:
+        self._first: list[T] = [first]
+        self._rest = rest
+
+    def __aiter__(self) -> PrimedStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        if self._first:
+            return self._first.pop()
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()  # type: ignore[attr-defined]
+
+
+async def within_deadline(
+    items: AsyncIterator[T], timeout_s: float | None, error: Callable[[float], Exception]
+) -> AsyncIterator[T]:
+    """`items` until `timeout_s` seconds from now, when `error(timeout_s)` is raised instead.
+
+    The wait for the item due at the deadline is cancelled, which closes `items` (and the engine
+    streams under it: their requests are aborted). Without a timeout the items pass untouched.
+    """
+    if timeout_s is None:
+        async for item in items:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            item = await asyncio.wait_for(anext(items), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise error(timeout_s) from None
+        yield item

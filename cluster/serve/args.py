@@ -45,11 +45,21 @@ class ServeOptions(BaseModel):
         "replicas through a DeploymentHandle",
     )
     num_replicas: int = Field(1, ge=1, description="LLMServer replicas, each with its own engine")
-    max_ongoing_requests: int = Field(
-        256,
+    max_ongoing_requests: int | None = Field(
+        None,
         ge=1,
-        description="Requests one replica of either deployment takes at once (Serve's default of 5 "
-        "would starve the engine's continuous batching)",
+        description="Requests one LLMServer replica takes at once; None: what its engine admits, "
+        "max_num_seqs + max_waiting_requests, so that Serve hands a replica no more than its engine "
+        "takes (Serve's default of 5 would starve the engine's continuous batching)",
+    )
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="Deadline of a request that sets no 'timeout' of its own; None: none"
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a stopping LLMServer replica (raypage serve's SIGTERM, a replacement, a "
+        "scale-down) gives its requests in flight before Serve stops it (graceful_shutdown_timeout_s)",
     )
     llm_server_cpus: float = Field(
         1.0,
@@ -115,5 +125,6 @@ def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
         api_key=options.api_key or None,
         max_request_body_bytes=options.max_request_body_bytes,
         log_stats_interval=options.log_stats_interval,
+        request_timeout_s=options.request_timeout_s,
     )
     return ServeAppSettings(engine_settings, engine_config, server, options)

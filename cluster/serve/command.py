@@ -6,7 +6,8 @@ raypage serve [--config FILE] [--address HOST:PORT] [--host 127.0.0.1] [--port 8
 Joins the cluster at --address, or starts a local one (its CPUs: the machine's, or as many as the app
 reserves if that is more, since logical CPUs only count reservations), with the --proxy-mode in front
 of the replicas (`cluster.serve.proxy_mode`), which listens on host:port. On a signal Serve is shut
-down, and so is the local cluster when this command started it.
+down, after the app's replicas have drained their requests in flight (for up to --drain-timeout-s),
+and so is the local cluster when this command started it.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "api_key": args.api_key,
         "max_request_body_bytes": args.max_request_body_bytes,
         "log_stats_interval": args.log_stats_interval,
+        "request_timeout_s": args.request_timeout,
+        "drain_timeout_s": args.drain_timeout_s,
         "enable_access_log": not args.disable_access_log,
         "ingress": args.ingress,
         "replica_niceness": args.replica_niceness,
@@ -157,6 +160,11 @@ def run_serve(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
         if ray.is_initialized():
+            # The app first, while the proxies still carry its streams: its replicas drain (for up
+            # to drain_timeout_s) before they stop. Serve's own shutdown would stop the proxies at
+            # the same time, cutting every stream in flight.
+            logger.info("draining the app's requests in flight")
+            serve.delete(APP_NAME)
             serve.shutdown()
         ray.shutdown()  # stops the local cluster; from a joined one it only disconnects
 

@@ -108,11 +108,15 @@ class EngineReplica:
         return EngineState(errored=errored, stats=stats, metrics=self._prometheus.render())
 
     def __del__(self) -> None:
-        # Serve calls this when it stops the replica: the engine's core process and workers go with it.
+        # Serve calls this when it stops the replica (raypage serve's SIGTERM, a replacement, a
+        # scale-down) once its requests in flight have finished (if drain_timeout_s passes first,
+        # Serve kills the replica instead): anything left ends with finish_reason "abort", and the
+        # engine's core process and workers go with it.
         # A replica whose engine failed to start has neither attribute.
         if getattr(self, "_log_task", None) is not None:
             self._log_task.cancel()
         if hasattr(self, "engine"):
+            self.engine.abort_all()
             self.engine.shutdown()
 
 
