@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -63,7 +64,15 @@ def build_and_load() -> Path:
         is_python_module=False,
         verbose=False,
     )
+    _remove_other_builds(keep=directory)
     return library
+
+
+def _remove_other_builds(keep: Path) -> None:
+    """Builds of earlier sources are never loaded again (a process that has one mapped keeps it)."""
+    for stale in keep.parent.glob("raypage_cpu_kernels_*"):
+        if stale != keep:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 @functools.cache
