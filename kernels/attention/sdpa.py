@@ -10,6 +10,7 @@ with `is_causal`, without reading the cache.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,18 +19,34 @@ from torch import Tensor
 from kernels.attention.metadata import AttentionMetadata
 from kernels.cache_ops import gather_blocks, reshape_and_cache
 
+# Attends the leading decode rows (query[:num_decodes]) into `out`, reading the cache's keys and values.
+DecodeAttention = Callable[[Tensor, Tensor, Tensor, AttentionMetadata, float], None]
 
-def sdpa_attention(
-    query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+
+def paged_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    decode: DecodeAttention,
 ) -> Tensor:
+    """Store the new keys and values, attend the decode rows with `decode`, then each prefill chunk."""
     reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
     out = torch.empty_like(query)
     if meta.num_decodes:
-        out[: meta.num_decodes] = _decode(query[: meta.num_decodes], kv_cache, meta, scale)
+        decode(out[: meta.num_decodes], query[: meta.num_decodes], kv_cache, meta, scale)
     for i in range(meta.num_decodes, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         out[start:end] = _prefill(query, key, value, kv_cache, meta, i, scale)
     return out
+
+
+def sdpa_attention(
+    query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> Tensor:
+    return paged_attention(query, key, value, kv_cache, meta, scale, decode_padded_runs)
 
 
 # Most padded blocks one decode chunk gathers: about 6 MB of bf16 keys and values for a small
@@ -56,14 +73,13 @@ def decode_chunks(
     return chunks
 
 
-def _decode(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
+def decode_padded_runs(
+    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> None:
     """One query token per sequence, in runs of similar length (the model runner sorts decodes)."""
     lens = meta.seq_lens_list[: meta.num_decodes]
     if any(a < b for a, b in itertools.pairwise(lens)):
         raise ValueError("decode rows must come sorted by sequence length, longest first")
-    out = torch.empty_like(query)
     for start, end in decode_chunks(lens, meta.block_size, DECODE_CHUNK_BLOCKS):
         num_blocks = -(-lens[start] // meta.block_size)
         out[start:end] = _decode_padded(
@@ -73,7 +89,6 @@ def _decode(
             meta.seq_lens[start:end],
             scale,
         )
-    return out
 
 
 def _decode_padded(
