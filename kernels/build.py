@@ -23,9 +23,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
 # -march=native: the library is built on the machine that runs it; the CPU's vector width is in the hash.
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+# -ffp-contract=off: no fused multiply-adds where torch rounds between the multiply and the add.
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
 
 
 def _library_name() -> str:

@@ -10,11 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
+from kernels.fused_ops import add_rms_norm, rms_norm, rotary_embedding
 from parallel.layers import default_weight_loader
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32; with a residual it adds first (fused pre-norm)."""
+    """Root-mean-square norm computed in float32; with a residual it adds first (fused pre-norm).
+
+    kernels/fused_ops.py computes it: one C++ pass per row on the CPU, plain torch elsewhere.
+    """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -22,18 +26,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The norm of x, or of x + residual together with that sum (which may reuse both inputs)."""
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -74,16 +73,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [tokens, heads, dim] and k [tokens, kv_heads, dim] by their positions."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """Rotate q [tokens, heads, dim] and k [tokens, kv_heads, dim] by their positions (maybe in place)."""
+        return rotary_embedding(positions, q, k, self.cos, self.sin)
 
 
 class SiluAndMul(nn.Module):
