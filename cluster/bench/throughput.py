@@ -17,6 +17,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from cluster.bench.compute_floor import measured_matmul_rate, run_flops
 from cluster.engine_args import add_engine_args
 from engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 
@@ -126,6 +129,27 @@ def measure(
     }
 
 
+def compute_floor_share(
+    engine: LLMEngine,
+    workload: Workload,
+    params: Callable[[int], SamplingParams | BeamSearchParams],
+    elapsed: float,
+) -> dict[str, Any]:
+    """The run's FLOP rate against this machine's measured matmul rate (CPU runs only)."""
+    model = engine.config.model
+    if model.device != "cpu":
+        return {}
+    sequences = params(1)
+    per_prompt = sequences.beam_width if isinstance(sequences, BeamSearchParams) else sequences.n
+    flops = run_flops(model.hf_config, [(len(prompt), length, per_prompt) for prompt, length in workload])
+    rate = measured_matmul_rate(model.hf_config, getattr(torch, model.dtype))
+    return {
+        "model_tflops": flops / 1e12,
+        "matmul_gflops_per_s": rate / 1e9,
+        "compute_floor_share": flops / elapsed / rate,
+    }
+
+
 def communication_shares(per_rank: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
     """Per rank, the share of the run spent in each collective (all-reduce, all-gather, pipeline
     send and receive; a receive includes waiting for the previous stage) and in all of them."""
@@ -209,7 +233,9 @@ def run(args: argparse.Namespace, settings: dict[str, Any]) -> None:
         workload = make_workload(**workload_settings)
         workload_settings.update(n=args.n, beam_width=args.beam_width)
         _check_fits(workload, engine)
-        results = measure(engine, workload, request_params(args, workload_settings["seed"]))
+        params = request_params(args, workload_settings["seed"])
+        results = measure(engine, workload, params)
+        results.update(compute_floor_share(engine, workload, params, results["elapsed_s"]))
     finally:
         engine.shutdown()
     workload_settings["total_input_tokens"] = sum(len(prompt) for prompt, _ in workload)
@@ -256,6 +282,12 @@ def print_summary(results: dict[str, Any]) -> None:
             detail = ", ".join(f"{op} {share:.1%}" for op, share in shares.items() if op != "total")
             print(f"Rank {rank} communicating: {shares['total']:.1%} of the run ({detail})")
     print(f"Median step time: {results['step_time_median_ms']:.2f} ms")
+    if "compute_floor_share" in results:
+        print(
+            f"Compute floor: {results['model_tflops']:.2f} TFLOP of model arithmetic at this machine's "
+            f"measured {results['matmul_gflops_per_s']:.0f} GFLOP/s matmul rate; the run reached "
+            f"{results['compute_floor_share']:.1%} of it"
+        )
     print(f"Elapsed: {results['elapsed_s']:.2f} s ({results['num_preemptions']} preemptions)")
 
 

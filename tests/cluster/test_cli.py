@@ -71,6 +71,8 @@ def test_bench_throughput_writes_json(tmp_path: Path) -> None:
     assert record["workload"]["total_output_tokens"] == 4 * 8
     assert record["engine"]["num_kv_blocks"] == 64
     assert record["engine"]["dtype"] == "float32"
+    assert record["matmul_gflops_per_s"] > 0 and 0 < record["compute_floor_share"] < 1
+    assert "of it" in result.stdout.split("Compute floor:")[1]
 
 
 @pytest.mark.parametrize(
