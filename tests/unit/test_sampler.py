@@ -93,6 +93,12 @@ def test_greedy_takes_the_argmax():
     assert output.logprobs is None
 
 
+def test_greedy_on_bf16_logits_takes_the_first_largest_even_among_ties():
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 3.0, 3.0], [-2.0, -2.5, -1.0, -1.5]])
+    expected = [max(range(4), key=lambda i, row=row: (row[i], -i)) for row in logits.tolist()]
+    assert sample(logits.bfloat16(), [SamplingParams(temperature=0.0)] * 3) == expected == [1, 0, 2]
+
+
 def test_sampling_does_not_modify_the_callers_logits():
     logits = LOGITS.expand(3, -1).clone()
     params = SamplingParams(temperature=0.7, min_p=0.1, top_k=3, logit_bias={0: -5.0}, repetition_penalty=1.5)
