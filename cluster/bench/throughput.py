@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from cluster.bench.compute_floor import measured_matmul_rate, run_flops
+from cluster.bench.op_profile import print_op_profile, profile_ops
 from cluster.engine_args import add_engine_args
 from engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 
@@ -59,6 +60,12 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     )
     group.add_argument(
         "--beam-width", type=positive_int, help="beam search with this many beams instead of sampling"
+    )
+    parser.add_argument(
+        "--profile-ops",
+        action="store_true",
+        help="run under torch.profiler and print where the time went, by kind of operator "
+        "(slower: the throughput figures of such a run are not comparable)",
     )
     parser.add_argument(
         "--output-json",
@@ -234,13 +241,21 @@ def run(args: argparse.Namespace, settings: dict[str, Any]) -> None:
         workload_settings.update(n=args.n, beam_width=args.beam_width)
         _check_fits(workload, engine)
         params = request_params(args, workload_settings["seed"])
-        results = measure(engine, workload, params)
+        if args.profile_ops:
+            results, op_seconds, wall = profile_ops(lambda: measure(engine, workload, params))
+            results["op_profile_s"] = {**op_seconds, "wall": wall}
+        else:
+            results = measure(engine, workload, params)
         results.update(compute_floor_share(engine, workload, params, results["elapsed_s"]))
     finally:
         engine.shutdown()
     workload_settings["total_input_tokens"] = sum(len(prompt) for prompt, _ in workload)
     workload_settings["total_output_tokens"] = sum(length for _, length in workload)
     print_summary(results)
+    if args.profile_ops:
+        print_op_profile(
+            {k: v for k, v in results["op_profile_s"].items() if k != "wall"}, results["op_profile_s"]["wall"]
+        )
     now = datetime.now().astimezone()
     path = args.output_json or Path("bench-results") / f"throughput-{now:%Y%m%d-%H%M%S}.json"
     record = {
