@@ -13,6 +13,7 @@ import uvicorn
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, served_model_names
+from cluster.openai.engine_watching_server import EngineWatchingServer
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
@@ -67,7 +68,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None:
-    """Start the engine core, then serve until SIGINT or SIGTERM; the engine is shut down after."""
+    """Start the engine core, then serve until SIGINT or SIGTERM; the engine is shut down after.
+    Exits with status 1 when the engine dies (see EngineWatchingServer)."""
     settings = server_settings(args)
     # Resolved here, once (the engine takes it as it is): the token-count histograms are bucketed
     # up to max_model_len.
@@ -77,15 +79,18 @@ def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) ->
     engine = AsyncLLMEngine.from_config(config, stat_loggers=[prometheus, log_stats])
     try:
         app = build_app(engine, settings, prometheus, log_stats)
-        server = uvicorn.Server(
+        server = EngineWatchingServer(
             uvicorn.Config(
                 app,
                 host=args.host,
                 port=args.port,
                 access_log=not args.disable_access_log,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            )
+            ),
+            engine,
         )
         server.run()
     finally:
         engine.shutdown()
+    if server.engine_death is not None:
+        raise SystemExit(1)
