@@ -109,18 +109,6 @@ def tree_rss(server: RemoteServer) -> int:
     return total
 
 
-def wait_until_idle(server: RemoteServer) -> None:
-    """Until nothing runs or waits and no KV block is in use; fails after SETTLE_TIMEOUT_S."""
-    names = ("raypage:num_requests_running", "raypage:num_requests_waiting", "raypage:kv_cache_usage_perc")
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    while True:
-        values = {name: server.metric(name) for name in names}
-        if not any(values.values()):
-            return
-        assert time.monotonic() < deadline, f"still busy {SETTLE_TIMEOUT_S:.0f} s after the load: {values}"
-        time.sleep(0.2)
-
-
 def settled_rss(server: RemoteServer, at_most: int | None = None) -> int:
     """The lowest of the tree's RSS samples taken 0.5 s apart: six of them, or with `at_most`, until
     one is at most that (for SETTLE_TIMEOUT_S at most)."""
@@ -140,7 +128,7 @@ def test_256_streaming_clients_with_preemption_match_the_unloaded_run(
     # A first, smaller wave primes the allocators' caches; memory is measured from there.
     warm_up = asyncio.run(all_at_once(server, range(WARM_UP_CLIENTS)))
     assert warm_up == expected[:WARM_UP_CLIENTS]
-    wait_until_idle(server)
+    server.wait_until_idle(SETTLE_TIMEOUT_S)
     rss_after_warm_up = settled_rss(server)
 
     preemptions_before = server.metric("raypage:num_preemptions_total")
@@ -150,7 +138,7 @@ def test_256_streaming_clients_with_preemption_match_the_unloaded_run(
     assert preemptions > 0, "the cache was meant to be too small for the load"
     mismatched = [index for index in range(NUM_CLIENTS) if results[index] != expected[index]]
     assert not mismatched, f"clients {mismatched} got other text than transformers for their prompts"
-    wait_until_idle(server)
+    server.wait_until_idle(SETTLE_TIMEOUT_S)
     rss_after_load = settled_rss(server, at_most=int(rss_after_warm_up * (1 + MEMORY_TOLERANCE)))
     print(
         f"\n{NUM_CLIENTS} clients, {NUM_KV_BLOCKS} KV blocks, {preemptions:.0f} preemptions; server RSS "
