@@ -13,7 +13,8 @@ import uvicorn
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, served_model_names
-from cluster.openai.drain import DrainingServer, DrainState
+from cluster.openai.drain import DrainState
+from cluster.openai.engine_watching_server import EngineWatchingServer
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
@@ -87,7 +88,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None:
     """Start the engine core, then serve until SIGINT or SIGTERM, which drain the server (see
-    `cluster.openai.drain`); the engine is shut down after, and the process exits with status 0."""
+    `cluster.openai.drain`); the engine is shut down after, and the process exits with status 0 —
+    or with status 1 when the engine dies (see EngineWatchingServer)."""
     settings = server_settings(args)
     # Resolved here, once (the engine takes it as it is): the token-count histograms are bucketed
     # up to max_model_len.
@@ -98,7 +100,7 @@ def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) ->
     try:
         drain = DrainState()
         app = build_app(engine, settings, prometheus, log_stats, drain)
-        server = DrainingServer(
+        server = EngineWatchingServer(
             uvicorn.Config(
                 app,
                 host=args.host,
@@ -113,3 +115,5 @@ def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) ->
         server.run()
     finally:
         engine.shutdown()
+    if server.engine_death is not None:
+        raise SystemExit(1)

@@ -90,6 +90,21 @@ class RemoteServer:
                 return float(value)
         return 0.0
 
+    def wait_until_idle(self, timeout_s: float = 10.0) -> None:
+        """Until nothing runs or waits and no KV block is in use; fails after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        names = (
+            "raypage:num_requests_running",
+            "raypage:num_requests_waiting",
+            "raypage:kv_cache_usage_perc",
+        )
+        while True:
+            values = {name: self.metric(name) for name in names}
+            if not any(values.values()):
+                return
+            assert time.monotonic() < deadline, f"still busy after {timeout_s} s: {values}"
+            time.sleep(0.2)
+
     def stop(self) -> int:
         """SIGTERM (the server shuts its engine down), SIGKILL if it lingers; the exit status."""
         if self.process.poll() is None:

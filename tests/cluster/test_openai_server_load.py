@@ -60,18 +60,6 @@ async def stream_completion(client: openai.AsyncOpenAI, index: int) -> tuple[str
     return text, finish_reason, num_tokens
 
 
-def wait_until_idle(server: RemoteServer, timeout_s: float = 10.0) -> None:
-    """Until nothing runs or waits and no KV block is in use; fails after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    names = ("raypage:num_requests_running", "raypage:num_requests_waiting", "raypage:kv_cache_usage_perc")
-    while True:
-        values = {name: server.metric(name) for name in names}
-        if not any(values.values()):
-            return
-        assert time.monotonic() < deadline, f"still busy after {timeout_s} s: {values}"
-        time.sleep(0.2)
-
-
 def test_64_concurrent_streams_complete(server: RemoteServer) -> None:
     async def run() -> list:
         client = async_client(server)
@@ -81,7 +69,7 @@ def test_64_concurrent_streams_complete(server: RemoteServer) -> None:
     assert all(
         finish == "length" and num_tokens == MAX_TOKENS and text for text, finish, num_tokens in results
     )
-    wait_until_idle(server)
+    server.wait_until_idle()
 
 
 def test_clients_leaving_mid_stream_free_their_requests(server: RemoteServer) -> None:
@@ -104,7 +92,7 @@ def test_clients_leaving_mid_stream_free_their_requests(server: RemoteServer) ->
 
     aborted_before = server.metric("raypage:request_success_total", 'finished_reason="abort"')
     asyncio.run(run())
-    wait_until_idle(server, timeout_s=5.0)
+    server.wait_until_idle(timeout_s=5.0)
     assert server.metric("raypage:request_success_total", 'finished_reason="abort"') - aborted_before == 54
 
 
@@ -165,7 +153,7 @@ def test_bench_serve_measures_every_request(server: RemoteServer, tmp_path) -> N
             assert 0 < run[metric]["median_ms"] <= run[metric]["p99_ms"]
         assert run["ttft"]["median_ms"] < run["e2e_latency"]["median_ms"]
     assert plot_path.stat().st_size > 1000  # a PNG, drawn for more than one rate
-    wait_until_idle(server)
+    server.wait_until_idle()
 
 
 def test_dead_engine_core_fails_requests_fast(server: RemoteServer) -> None:

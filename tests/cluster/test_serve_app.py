@@ -23,6 +23,7 @@ from cluster.serve import proxy_mode
 from cluster.serve.args import parse_app_args
 from cluster.serve_app import build_app, llm_server_options, required_cpus
 from engine import LLM, SamplingParams
+from tests.cluster.local_ray_cluster import local_cluster
 from tests.cluster.remote_server import REPO_ROOT, RemoteServer
 from tests.model.tiny_models import write_tiny_model
 
@@ -201,25 +202,10 @@ def expected(tiny_model: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": CLUSTER_CPUS,
-            "object_store_memory": 100 * 1024 * 1024,
-            "include_dashboard": False,
-        },
-    )
-    ray.init(address=cluster.address)
-    started = psutil.Process().children(recursive=True)
-    yield cluster
-    descendants = started + psutil.Process().children(recursive=True)
-    ray.shutdown()
-    cluster.shutdown()
-    _, alive = psutil.wait_procs(descendants, timeout=30)
-    leaked = [(process.pid, " ".join(process.cmdline())[:80]) for process in alive if process.is_running()]
-    for process in alive:
-        process.kill()
-    assert not leaked, f"processes left behind: {leaked}"
+    with local_cluster(
+        num_cpus=CLUSTER_CPUS, object_store_memory=100 * 1024 * 1024, include_dashboard=False
+    ) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
