@@ -1,6 +1,6 @@
 """Per-layer decode attention time: the C++ kernel over blocks in place against the sdpa backend's gather.
 
-    python -m kernels.bench_attention [--threads 2]
+    python -m kernels.bench_attention [--threads 2] [--rounds 7]
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), blocks of 16, a bf16 cache, blocks
 scattered at random; one batch of 64 sequences of 128-256 tokens and one of 128 sequences of 16-1024.
@@ -9,6 +9,7 @@ scattered at random; one batch of 64 sequences of 128-256 tokens and one of 128 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 from torch.utils import benchmark
@@ -50,6 +51,7 @@ def decode_batch(seq_lens: list[int], num_blocks: int, seed: int = 0) -> tuple[t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("the C++ kernels could not be built here (see the log line above)")
@@ -61,17 +63,20 @@ def main() -> None:
     for label, seq_lens in batches.items():
         query, cache, meta = decode_batch(seq_lens, num_blocks=8192)
         out = torch.empty_like(query)
-        times = {}
-        for name, decode in (("sdpa", decode_padded_runs), ("cpu_paged", decode_in_place)):
-            timer = benchmark.Timer(
-                "decode(out, query, cache, meta, 0.125)",
-                globals={"decode": decode, "out": out, "query": query, "cache": cache, "meta": meta},
-                num_threads=args.threads,
-            )
-            times[name] = timer.blocked_autorange(min_run_time=1.0).median * 1e6
+        # Interleaved rounds, median of each: this machine's shared cores make single runs noisy.
+        rounds: dict[str, list[float]] = {"sdpa": [], "cpu_paged": []}
+        for _ in range(args.rounds):
+            for name, decode in (("sdpa", decode_padded_runs), ("cpu_paged", decode_in_place)):
+                timer = benchmark.Timer(
+                    "decode(out, query, cache, meta, 0.125)",
+                    globals={"decode": decode, "out": out, "query": query, "cache": cache, "meta": meta},
+                    num_threads=args.threads,
+                )
+                rounds[name].append(timer.blocked_autorange(min_run_time=0.3).median * 1e6)
+        times = {name: statistics.median(values) for name, values in rounds.items()}
         print(
             f"{label}: sdpa {times['sdpa']:.0f} us, cpu_paged {times['cpu_paged']:.0f} us per layer "
-            f"({times['sdpa'] / times['cpu_paged']:.2f}x), {args.threads} threads"
+            f"({times['sdpa'] / times['cpu_paged']:.2f}x), {args.threads} threads, median of {args.rounds} rounds"
         )
 
 

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 import time
@@ -24,16 +25,28 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
-# -march=native: the library is built on the machine that runs it; the CPU's vector width is in the hash.
+# -march=native: the library is built on the machine that runs it; the CPU's feature flags are in the
+# hash, so a virtualenv copied to a different CPU builds its own instead of loading foreign code.
+# -fopenmp: at::parallel_for is an inline `#pragma omp parallel`, serial without it; the library then
+# needs libgomp.so.1, which resolves to the copy torch has already loaded.
 # -ffp-contract=off: no fused multiply-adds where torch rounds between the multiply and the add.
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-ffp-contract=off"]
+
+
+def _cpu_features() -> str:
+    try:
+        return next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return platform.machine()
 
 
 def _library_name() -> str:
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
-    digest.update(" ".join([torch.__version__, torch.backends.cpu.get_cpu_capability(), *CFLAGS]).encode())
+    digest.update(" ".join([torch.__version__, _cpu_features(), *CFLAGS]).encode())
     return f"raypage_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
@@ -61,6 +74,7 @@ def build_and_load() -> Path:
         name=name,
         sources=[str(s) for s in SOURCES],
         extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
         verbose=False,

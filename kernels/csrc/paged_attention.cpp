@@ -79,16 +79,56 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return sum;
 }
 
-// acc[0:n] += p * x[0:n]
-inline void axpy(float* __restrict acc, float p, const float* __restrict x, int64_t n) {
-  int64_t i = 0;
+// acc[0:dim] += sum over t < n of p[t] * float(rows[t * dim : (t + 1) * dim]): one block's values.
+// Each 16-float slice of acc stays in a register across the block's rows instead of going through
+// memory once per row.
+template <typename T>
+inline void accumulate_rows(float* __restrict acc, const float* __restrict p, const T* __restrict rows, int64_t n,
+                            int64_t dim) {
+  int64_t d = 0;
 #if defined(__AVX512F__)
-  const __m512 weight = _mm512_set1_ps(p);
-  for (; i + kLanes <= n; i += kLanes) {
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(weight, _mm512_loadu_ps(x + i), _mm512_loadu_ps(acc + i)));
+  for (; d + kLanes <= dim; d += kLanes) {
+    __m512 sum = _mm512_loadu_ps(acc + d);
+    for (int64_t t = 0; t < n; ++t) sum = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load_floats(rows + t * dim + d), sum);
+    _mm512_storeu_ps(acc + d, sum);
   }
 #endif
-  for (; i < n; ++i) acc[i] += p * x[i];
+  for (; d < dim; ++d) {
+    for (int64_t t = 0; t < n; ++t) acc[d] += p[t] * static_cast<float>(rows[t * dim + d]);
+  }
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 round16(__m512 x);
+template <>
+inline __m512 round16<float>(__m512 x) {
+  return x;
+}
+template <>
+inline __m512 round16<c10::BFloat16>(__m512 x) {  // to nearest even, as c10::BFloat16(float) for finite x
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+template <>
+inline __m512 round16<c10::Half>(__m512 x) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
+// p[0:n] = round_to<T>(p * pre) * post
+template <typename T>
+inline void round_scaled(float* p, int64_t n, float pre, float post) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 before = _mm512_set1_ps(pre), after = _mm512_set1_ps(post);
+  for (; i + kLanes <= n; i += kLanes) {
+    _mm512_storeu_ps(p + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(_mm512_loadu_ps(p + i), before)), after));
+  }
+#endif
+  for (; i < n; ++i) p[i] = round_to<T>(p[i] * pre) * post;
 }
 
 #if defined(__AVX512F__)
@@ -132,6 +172,16 @@ inline float exp_shifted(float* p, int64_t n, float peak) {
   return total;
 }
 
+// Blocks lie anywhere in a cache of many megabytes: without prefetching, the kernel spent most of
+// its time waiting for each key and value row to arrive from memory.
+template <typename T>
+inline void prefetch(const T* data, int64_t elems) {
+  const char* bytes = reinterpret_cast<const char*>(data);
+  for (int64_t offset = 0; offset < elems * static_cast<int64_t>(sizeof(T)); offset += 64) {
+    __builtin_prefetch(bytes + offset, 0, 3);
+  }
+}
+
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                    const at::Tensor& block_table, const at::Tensor& seq_lens, float scale) {
@@ -173,35 +223,43 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       for (int64_t g = 0; g < group; ++g) {
         widen(&q[g * head_dim], q_data + s * q_seq_stride + (h * group + g) * q_head_stride, head_dim);
       }
-      // Pass 1: every query head's score against every key, block by block where the keys lie.
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+      // Physical block of token t0's logical block; the next one is prefetched while this one is used.
+      const auto block_of = [&](int64_t t0) {
         const int64_t block = bt_data[s * bt_seq_stride + (t0 / block_size) * bt_block_stride];
         TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block,
                     " out of range [0, ", num_blocks, ")");
-        const T* keys = k_data + h * head_elems + block * block_elems;
+        return block;
+      };
+      const auto prefetch_next = [&](const T* cache, int64_t t0) {
+        if (t0 + block_size < len) prefetch(cache + h * head_elems + block_of(t0 + block_size) * block_elems, block_elems);
+      };
+      // Pass 1: every query head's score against every key, block by block where the keys lie.
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        prefetch_next(k_data, t0);
+        const T* keys = k_data + h * head_elems + block_of(t0) * block_elems;
         for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t) {
           widen(row.data(), keys + (t - t0) * head_dim, head_dim);
           for (int64_t g = 0; g < group; ++g) {
-            scores[g * max_len + t] = round_to<T>(dot(&q[g * head_dim], row.data(), head_dim)) * scale;
+            scores[g * max_len + t] = dot(&q[g * head_dim], row.data(), head_dim);
           }
         }
       }
+      prefetch(v_data + h * head_elems + block_of(0) * block_elems, block_elems);
       // Softmax in float32 per query head; probabilities rounded to the cache dtype.
       for (int64_t g = 0; g < group; ++g) {
         float* p = &scores[g * max_len];
+        round_scaled<T>(p, len, 1.f, scale);  // a bf16 matmul's output, scaled in float32
         const float total = exp_shifted(p, len, *std::max_element(p, p + len));
-        for (int64_t t = 0; t < len; ++t) p[t] = round_to<T>(p[t] / total);
+        round_scaled<T>(p, len, 1.f / total, 1.f);
       }
       // Pass 2: the probability-weighted sum of the values, read block by block in place.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t block = bt_data[s * bt_seq_stride + (t0 / block_size) * bt_block_stride];
-        const T* values = v_data + h * head_elems + block * block_elems;
-        for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t) {
-          widen(row.data(), values + (t - t0) * head_dim, head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            axpy(&acc[g * head_dim], scores[g * max_len + t], row.data(), head_dim);
-          }
+        prefetch_next(v_data, t0);
+        const T* values = v_data + h * head_elems + block_of(t0) * block_elems;
+        for (int64_t g = 0; g < group; ++g) {
+          accumulate_rows(&acc[g * head_dim], &scores[g * max_len + t0], values, std::min(block_size, len - t0),
+                          head_dim);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
