@@ -38,6 +38,9 @@ NUM_KV_BLOCKS = 32
 MAX_NUM_SEQS = 32
 ENGINE_FLAGS = [
     *("--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS)),
+    # Every client admitted: this test is about holding the load, tests/cluster/test_backpressure.py
+    # about refusing what is past the bound (the default, 3 × max_num_seqs, would refuse 160 here).
+    *("--max-waiting-requests", str(NUM_CLIENTS)),
     "--disable-access-log",
 ]
 CLIENT_TIMEOUT_S = 300.0  # only so that nothing hangs forever; nothing here is timed

@@ -1,8 +1,8 @@
 """Generated requests against a real `raypage api-server` over a tiny random Llama: hypothesis bodies
 (invalid Unicode, huge and non-finite numbers, deep nesting, wrong types, unknown fields) on one
 keep-alive connection, and schemathesis cases for every route of the server's OpenAPI schema. Every
-answer is a success or a documented 4xx error object, never a 5xx, and no connection drops (a
-dropped one would fail the next request)."""
+answer is a success or a documented 4xx error object, never a 5xx (but the 504 of a `timeout` the
+request set itself), and no connection drops (a dropped one would fail the next request)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from schemathesis.checks import not_a_server_error
 
 from tests.cluster.remote_server import RemoteServer
 from tests.model.tiny_models import write_tiny_model
@@ -29,6 +28,13 @@ FIELDS = [
     "stream_options", "min_tokens", "chat_template_kwargs", "tokens", "add_generation_prompt",
 ]  # fmt: skip
 ERROR_STATUSES = {400, 404, 413, 422}  # 422 never comes: validation errors are 400s
+
+
+def is_its_own_deadline(response: httpx.Response) -> bool:
+    """A 504 for the `timeout` the request itself set (schemathesis draws tiny ones): the documented
+    answer to a deadline that passed, not a server error."""
+    return response.status_code == 504 and response.json()["error"]["param"] == "timeout"
+
 
 surrogates = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
 texts = st.text(st.one_of(st.characters(), surrogates), max_size=20)
@@ -120,9 +126,11 @@ def test_every_route_by_its_schema(server: RemoteServer) -> None:
         @given(case=operation.as_strategy())
         def check(case: schemathesis.Case) -> None:
             response = case.call(timeout=60)
-            case.validate_response(response, checks=[not_a_server_error])
             if response.status_code >= 400:
-                assert response.status_code in ERROR_STATUSES - {422}, response.text[:300]
+                assert response.status_code in ERROR_STATUSES - {422} or is_its_own_deadline(response), (
+                    response.status_code,
+                    response.text[:300],
+                )
                 assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
         check()
