@@ -115,9 +115,7 @@ def measure(
     output_tokens, kv, step_times = _run_to_completion(engine, workload, "bench", params)
     elapsed = time.perf_counter() - start
     communication = communication_shares(engine.collective_rpc("communication_stats"), elapsed)
-    sequences = params(1)
-    per_prompt = sequences.beam_width if isinstance(sequences, BeamSearchParams) else sequences.n
-    expected = per_prompt * sum(length for _, length in workload)
+    expected = sequences_per_prompt(params) * sum(length for _, length in workload)
     if output_tokens != expected:
         raise RuntimeError(f"the engine produced {output_tokens} tokens, expected {expected}")
     input_tokens = sum(len(prompt) for prompt, _ in workload)
@@ -136,6 +134,12 @@ def measure(
     }
 
 
+def sequences_per_prompt(params: Callable[[int], SamplingParams | BeamSearchParams]) -> int:
+    """How many sequences each prompt of the run grows into: its beams, or its parallel samples."""
+    sequences = params(1)
+    return sequences.beam_width if isinstance(sequences, BeamSearchParams) else sequences.n
+
+
 def compute_floor_share(
     engine: LLMEngine,
     workload: Workload,
@@ -146,8 +150,7 @@ def compute_floor_share(
     model = engine.config.model
     if model.device != "cpu":
         return {}
-    sequences = params(1)
-    per_prompt = sequences.beam_width if isinstance(sequences, BeamSearchParams) else sequences.n
+    per_prompt = sequences_per_prompt(params)
     flops = run_flops(model.hf_config, [(len(prompt), length, per_prompt) for prompt, length in workload])
     rate = measured_matmul_rate(model.hf_config, getattr(torch, model.dtype))
     return {
