@@ -403,3 +403,18 @@ def collect(outputs: EngineCoreOutputs, tokens: dict[str, list[int]], reasons: d
         tokens.setdefault(key, []).extend(output.new_token_ids)
         if output.finished:
             reasons[key] = output.finish_reason
+
+
+def indexed_scheduler_and_worker(**kwargs):
+    """A scheduler and a fake worker sampling `indexed_token_fn`, for requests of several sequences."""
+    return scheduler_and_worker(indexed_token_fn, **kwargs)
+
+
+def outputs_by_key(outputs):
+    """A step's outputs by (request id, sequence index)."""
+    return {(o.request_id, o.index): o for o in outputs.outputs}
+
+
+def block_ref_counts(scheduler) -> list[int]:
+    """The reference count of every device block, by block id."""
+    return [block.ref_cnt for block in scheduler.kv_cache_manager.block_pool.blocks]
