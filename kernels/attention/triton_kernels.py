@@ -6,11 +6,12 @@ and the new tokens after a prefix-cache hit: the step's keys and values are alre
 (reshape-and-cache runs first), so every key is read through the block table, the context fully
 visible and the new tokens causal among themselves. A program takes BLOCK_Q new tokens of one
 sequence for one KV head; the rows of its tile are those tokens times the query heads that share the
-KV head (GQA without repeating K/V). It walks the key blocks up to its last token's position, one
-block per step, with an online softmax in float32 (exp2, the scale folded into log2 units).
+KV head (GQA without repeating K/V). It walks the keys up to its last token's position, KEY_TILE
+tokens per step whatever the block size (each key's block looked up in the table), with an online
+softmax in float32 (exp2, the scale folded into log2 units).
 
 Split-K (vLLM's PagedAttention v2): with num_splits > 1 a program takes only its share of the
-blocks and leaves a partial output, its running maximum and its sum of exponentials; a second
+key tiles and leaves a partial output, its running maximum and its sum of exponentials; a second
 kernel merges the splits. Decodes of a few long sequences then still fill the GPU. The share is
 computed in the kernel from the sequence's length on the device, so the launch depends on no
 host-side length beyond the grid.
@@ -30,6 +31,8 @@ LOG2E = math.log2(math.e)
 MIN_DOT_DIM = 16
 # Rows of a prefill program's tile (new tokens x query heads of a group): enough for the tensor cores.
 TILE_ROWS = 64
+# Keys per step of a program's loop, whatever the block size: wide loads and dots for small blocks.
+KEY_TILE = 64
 
 
 @triton.jit
@@ -60,6 +63,7 @@ def _paged_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    KEY_TILE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
@@ -89,24 +93,30 @@ def _paged_attention_kernel(
     )
     query_positions = context + tokens
 
-    # Keys up to the tile's last token (none for a tile past this sequence's new tokens), this split's share.
+    # Keys up to the tile's last token (none for a tile past this sequence's new tokens), in tiles of
+    # KEY_TILE tokens, this split's share of them.
     tile_end = tl.minimum(context + (tile + 1) * BLOCK_Q, seq_len)
-    num_blocks = tl.where(tile * BLOCK_Q < query_len, tl.cdiv(tile_end, BLOCK_SIZE), 0)
-    blocks_per_split = tl.cdiv(num_blocks, num_splits)
-    first_block = split * blocks_per_split
-    last_block = tl.minimum(first_block + blocks_per_split, num_blocks)
+    num_key_tiles = tl.where(tile * BLOCK_Q < query_len, tl.cdiv(tile_end, KEY_TILE), 0)
+    tiles_per_split = tl.cdiv(num_key_tiles, num_splits)
+    first_key_tile = split * tiles_per_split
+    last_key_tile = tl.minimum(first_key_tile + tiles_per_split, num_key_tiles)
 
     running_max = tl.full([BLOCK_Q * GROUP_POW2], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_Q * GROUP_POW2], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_POW2, HEAD_DIM_PAD], tl.float32)
-    offsets = tl.arange(0, BLOCK_SIZE)
-    # The cache is contiguous: [kv_heads, blocks, BLOCK_SIZE, HEAD_DIM] per key/value half.
-    head_base = kv_head * stride_c_head + offsets[:, None] * HEAD_DIM + dims[None, :]
-    for logical_block in range(first_block, last_block):
-        block = tl.load(block_table_ptr + seq * stride_table + logical_block)
-        positions = logical_block * BLOCK_SIZE + offsets
-        kv_mask = (positions < seq_len)[:, None] & dim_mask[None, :]
-        kv_offsets = head_base + block * (BLOCK_SIZE * HEAD_DIM)
+    table_row = block_table_ptr + seq * stride_table
+    for key_tile in range(first_key_tile, last_key_tile):
+        positions = key_tile * KEY_TILE + tl.arange(0, KEY_TILE)
+        in_seq = positions < seq_len
+        # Each key's physical block, through the block table: a tile may span several blocks.
+        blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+        # The cache is contiguous: [kv_heads, blocks, BLOCK_SIZE, HEAD_DIM] per key/value half.
+        kv_offsets = (
+            kv_head * stride_c_head
+            + (blocks * BLOCK_SIZE + positions % BLOCK_SIZE)[:, None] * HEAD_DIM
+            + dims[None, :]
+        )
+        kv_mask = in_seq[:, None] & dim_mask[None, :]
         k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = _dot_f32(q, tl.trans(k.to(q.dtype)), FP32_DOT) * scale_log2
@@ -264,6 +274,7 @@ def paged_attention_rows(
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
+        KEY_TILE=KEY_TILE,
         SINGLE_SPLIT=single,
         # float32 inputs multiply in full precision (not TF32) to match the reference; the
         # interpreter's tl.dot multiplies bf16 tensors' raw bits, so it gets float32 too.

@@ -86,8 +86,9 @@ def test_head_layouts_match_the_reference(heads, kv_heads, dim):
 
 @pytest.mark.parametrize("num_splits", [2, 5, 16])
 def test_split_decodes_match_the_reference(num_splits):
-    # 16 splits of a 3-block sequence leave most splits empty; the merge must weigh them 0.
-    decodes = [(100, 1), (70, 1), (33, 1), (15, 1)]
+    # Splits of 5, 4, 2 and 1 key tiles (64 tokens); 16 splits leave most of them empty, which the
+    # merge must weigh 0.
+    decodes = [(300, 1), (200, 1), (70, 1), (15, 1)]
     assert_matches_reference(decodes, torch.bfloat16, 16, heads=4, kv_heads=2, num_splits=num_splits)
 
 
