@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _reshape_and_cache_kernel(
+def reshape_and_cache_kernel(
     key_ptr,
     value_ptr,
     key_cache_ptr,
@@ -65,7 +65,7 @@ def triton_reshape_and_cache(
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("triton_reshape_and_cache needs key and value contiguous in their last dimension")
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    _reshape_and_cache_kernel[(num_tokens,)](
+    reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
         key_cache,

@@ -21,22 +21,15 @@ from __future__ import annotations
 
 import math
 
-import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 LOG2E = math.log2(math.e)
-# tl.dot needs every dimension of a tile to be at least 16 on the GPU.
-MIN_DOT_DIM = 16
-# Rows of a prefill program's tile (new tokens x query heads of a group): enough for the tensor cores.
-TILE_ROWS = 64
-# Keys per step of a program's loop, whatever the block size: wide loads and dots for small blocks.
-KEY_TILE = 64
 
 
 @triton.jit
-def _paged_attention_kernel(
+def paged_attention_kernel(
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
@@ -156,7 +149,7 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(
+def merge_splits_kernel(
     out_ptr,
     partial_out_ptr,
     partial_max_ptr,
@@ -203,92 +196,4 @@ def _dot_f32(a, b, FP32_DOT: tl.constexpr):
 
 def kernels_interpreted() -> bool:
     """Whether these kernels were made for Triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    return isinstance(_paged_attention_kernel, InterpretedFunction)
-
-
-def paged_attention_rows(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seqs: range,
-    max_query_len: int,
-    scale: float,
-    num_splits: int = 1,
-) -> None:
-    """Attend the new tokens of sequences `seqs` into their rows of `out`.
-
-    query/out: the whole batch's [tokens, heads, head_dim] (last dimension contiguous); kv_cache: one
-    contiguous layer [2, kv_heads, blocks, block_size, head_dim]; query_start_loc (int32, on the
-    device) gives each sequence's rows, seq_lens its context plus new tokens. Split-K is for the
-    decodes (one token each), which come first.
-    """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
-    if num_splits > 1 and (seqs.start != 0 or max_query_len != 1):
-        raise ValueError("split-K is for the decodes: one token per sequence, from row 0")
-    if not kv_cache.is_contiguous() or query.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("the Triton kernels need a contiguous cache and a contiguous last dimension")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
-    group = num_heads // num_kv_heads
-    group_pow2 = triton.next_power_of_2(group)
-    head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
-    # TILE_ROWS rows, fewer for short queries (one token for decodes), never under MIN_DOT_DIM.
-    block_q = min(max(1, TILE_ROWS // group_pow2), triton.next_power_of_2(max_query_len))
-    block_q = max(block_q, triton.cdiv(MIN_DOT_DIM, group_pow2))
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    single = num_splits == 1
-    # On a single split the kernel writes `out` directly and never touches the partials.
-    partial_max = partial_sum = partial_out = out
-    if not single:
-        stats_shape = (len(seqs), num_heads, num_splits)
-        partial_max = torch.empty(stats_shape, dtype=torch.float32, device=out.device)
-        partial_sum = torch.empty_like(partial_max)
-        partial_out = torch.empty(*stats_shape, head_dim_pad, dtype=torch.float32, device=out.device)
-    grid = (len(seqs), triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
-    _paged_attention_kernel[grid](
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        out,
-        partial_out,
-        partial_max,
-        partial_sum,
-        scale * LOG2E,
-        seqs.start,
-        num_splits,
-        *query.stride()[:2],
-        key_cache.stride(0),
-        block_table.stride(0),
-        *out.stride()[:2],
-        NUM_HEADS=num_heads,
-        GROUP=group,
-        GROUP_POW2=group_pow2,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q,
-        KEY_TILE=KEY_TILE,
-        SINGLE_SPLIT=single,
-        # float32 inputs multiply in full precision (not TF32) to match the reference; the
-        # interpreter's tl.dot multiplies bf16 tensors' raw bits, so it gets float32 too.
-        FP32_DOT=query.dtype == torch.float32 or kernels_interpreted(),
-    )
-    if not single:
-        _merge_splits_kernel[(len(seqs), num_heads)](
-            out,
-            partial_out,
-            partial_max,
-            partial_sum,
-            num_splits,
-            *out.stride()[:2],
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            SPLITS_POW2=triton.next_power_of_2(num_splits),
-        )
+    return isinstance(paged_attention_kernel, InterpretedFunction)

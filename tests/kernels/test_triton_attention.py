@@ -16,8 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from kernels.attention import get_attention_backend
-from kernels.attention.triton_kernels import paged_attention_rows
-from kernels.attention.triton_paged import decode_num_splits, triton_attention
+from kernels.attention.triton_paged import decode_num_splits, paged_attention_rows, triton_attention
 from kernels.triton_cache import triton_reshape_and_cache
 from tests.kernels.test_attention import build_batch
 from tests.model.hf_reference import hf_greedy
@@ -86,7 +85,7 @@ def test_head_layouts_match_the_reference(heads, kv_heads, dim):
 
 @pytest.mark.parametrize("num_splits", [2, 5, 16])
 def test_split_decodes_match_the_reference(num_splits):
-    # Splits of 5, 4, 2 and 1 key tiles (64 tokens); 16 splits leave most of them empty, which the
+    # 10, 7, 3 and 1 key tiles (32 tokens) to split; 16 splits leave many splits empty, which the
     # merge must weigh 0.
     decodes = [(300, 1), (200, 1), (70, 1), (15, 1)]
     assert_matches_reference(decodes, torch.bfloat16, 16, heads=4, kv_heads=2, num_splits=num_splits)
