@@ -35,7 +35,7 @@ def assert_matches_reference(specs, dtype, block, heads, kv_heads, dim=HEAD_DIM,
     """The Triton backend's output and cache against the reference backend's on the same batch."""
     q, k, v, cache, meta, _ = build_batch(
         specs,
-        num_blocks=64,
+        num_blocks=sum(-(-(context + new) // block) for context, new in specs) + 8,
         dtype=dtype,
         heads=heads,
         kv_heads=kv_heads,
@@ -89,6 +89,17 @@ def test_split_decodes_match_the_reference(num_splits):
     # merge must weigh 0.
     decodes = [(300, 1), (200, 1), (70, 1), (15, 1)]
     assert_matches_reference(decodes, torch.bfloat16, 16, heads=4, kv_heads=2, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [16, 32])
+def test_real_sizes_match_the_reference(block):
+    # Llama-3.1-8B's head layout in bf16: 16 decodes up to 4k tokens (few enough to split), a
+    # prefill, a chunk after a cached prefix and one after a partial block.
+    lengths = sorted(torch.randint(1, 4096, (16,), generator=torch.Generator().manual_seed(0)).tolist())
+    specs = [(length, 1) for length in reversed(lengths)] + [(0, 512), (1024, 300), (77, 33)]
+    assert decode_num_splits(16, 8, max(lengths) + 1, DEVICE) > 1
+    assert_matches_reference(specs, torch.bfloat16, block, heads=32, kv_heads=8, dim=128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
