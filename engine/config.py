@@ -20,6 +20,8 @@ from engine.models.arch_config import ArchConfig
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 ExecutorBackend = Literal["uni", "mp", "ray"]
+# kernels.attention.selector.BACKEND_NAMES; spelled out here so that reading a config imports no torch.
+AttentionBackendName = Literal["auto", "torch", "triton", "flash_attn", "cpu_paged", "sdpa", "reference"]
 # The default waiting queue of a server's engine, in batches of max_num_seqs.
 DEFAULT_WAITING_BATCHES = 3
 
@@ -70,6 +72,11 @@ class ModelConfig(_Section):
         None, gt=0, description="Longest prompt plus output, in tokens; defaults to the model's context"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present")
+    attention_backend: AttentionBackendName = Field(
+        "auto",
+        description="auto: flash_attn on CUDA where it can run, else triton, else torch; cpu_paged "
+        "elsewhere ($RAYPAGE_ATTENTION_BACKEND overrides auto). A backend that cannot run here is an error",
+    )
     max_logprobs: int = Field(20, ge=0, description="Most log-probabilities a request may ask for per token")
 
 

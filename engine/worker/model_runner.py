@@ -53,7 +53,9 @@ class ModelRunner:
         generator = torch.Generator(device=device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
-        self.attention_backend = get_attention_backend()
+        self.attention_backend = get_attention_backend(
+            config.model.attention_backend, device, self.block_size
+        )
         self.kv_caches: dict[int, torch.Tensor] = {}
         self.model: torch.nn.Module | None = None
         # (start, end) perf_counter times of recent forward passes: shows pipeline stages overlapping.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -31,3 +32,9 @@ class AttentionMetadata:
 
     def query_len(self, index: int) -> int:
         return self.query_start_loc[index + 1] - self.query_start_loc[index]
+
+    @functools.cached_property
+    def query_start_loc_tensor(self) -> torch.Tensor:
+        """query_start_loc as an int32 tensor on the batch's device, for kernels that read it there;
+        made on first use and shared by every layer of the step."""
+        return torch.tensor(self.query_start_loc, dtype=torch.int32, device=self.seq_lens.device)

@@ -28,26 +28,37 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
     return out
 
 
-def build_batch(seq_specs, num_blocks=64, seed=0, dtype=torch.float32):
+def build_batch(
+    seq_specs,
+    num_blocks=64,
+    seed=0,
+    dtype=torch.float32,
+    *,
+    heads=HEADS,
+    kv_heads=KV_HEADS,
+    dim=DIM,
+    block=BLOCK,
+    device="cpu",
+):
     """seq_specs: (context, query_len) per sequence. Returns everything a backend call needs,
     plus each sequence's full keys/values for the dense check. Blocks are scattered at random."""
     gen = torch.Generator().manual_seed(seed)
-    cache = torch.zeros(2, KV_HEADS, num_blocks, BLOCK, DIM, dtype=dtype)
+    cache = torch.zeros(2, kv_heads, num_blocks, block, dim, dtype=dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables, queries, new_keys, new_values, full_kv, slots = [], [], [], [], [], []
     for context, query_len in seq_specs:
         total = context + query_len
-        blocks = [free.pop() for _ in range(-(-total // BLOCK))]
+        blocks = [free.pop() for _ in range(-(-total // block))]
         tables.append(blocks)
-        k = torch.randn(total, KV_HEADS, DIM, generator=gen, dtype=dtype)
-        v = torch.randn(total, KV_HEADS, DIM, generator=gen, dtype=dtype)
+        k = torch.randn(total, kv_heads, dim, generator=gen, dtype=dtype)
+        v = torch.randn(total, kv_heads, dim, generator=gen, dtype=dtype)
         full_kv.append((k, v))
         # The context is already in the cache; the new tokens arrive with the step.
         for pos in range(context):
-            cache[0, :, blocks[pos // BLOCK], pos % BLOCK] = k[pos]
-            cache[1, :, blocks[pos // BLOCK], pos % BLOCK] = v[pos]
-        slots += [blocks[pos // BLOCK] * BLOCK + pos % BLOCK for pos in range(context, total)]
-        queries.append(torch.randn(query_len, HEADS, DIM, generator=gen, dtype=dtype))
+            cache[0, :, blocks[pos // block], pos % block] = k[pos]
+            cache[1, :, blocks[pos // block], pos % block] = v[pos]
+        slots += [blocks[pos // block] * block + pos % block for pos in range(context, total)]
+        queries.append(torch.randn(query_len, heads, dim, generator=gen, dtype=dtype))
         new_keys.append(k[context:])
         new_values.append(v[context:])
     width = max(len(t) for t in tables)
@@ -57,16 +68,17 @@ def build_batch(seq_specs, num_blocks=64, seed=0, dtype=torch.float32):
         starts.append(starts[-1] + query_len)
     seq_lens = [c + q for c, q in seq_specs]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        block_table=block_table,
-        seq_lens=torch.tensor(seq_lens),
+        slot_mapping=torch.tensor(slots, device=device),
+        block_table=block_table.to(device),
+        seq_lens=torch.tensor(seq_lens, device=device),
         query_start_loc=starts,
         seq_lens_list=seq_lens,
         # The leading run of single-token sequences is the decode batch.
         num_decodes=next((i for i, (_, q) in enumerate(seq_specs) if q != 1), len(seq_specs)),
-        block_size=BLOCK,
+        block_size=block,
     )
-    return torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), cache, meta, full_kv
+    tensors = [torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), cache]
+    return *(t.to(device) for t in tensors), meta, full_kv
 
 
 # decodes first, longest first (as the model runner orders them), then a fresh prefill, then chunks with context
