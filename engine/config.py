@@ -70,6 +70,10 @@ class ModelConfig(_Section):
         None, gt=0, description="Longest prompt plus output, in tokens; defaults to the model's context"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present")
+    enforce_eager: bool = Field(
+        False,
+        description="Run every step eagerly; False captures CUDA graphs of decode steps on CUDA (as vLLM)",
+    )
     max_logprobs: int = Field(20, ge=0, description="Most log-probabilities a request may ask for per token")
 
 

@@ -14,6 +14,7 @@ import torch
 from engine.config import ResolvedEngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cache_engine import CacheEngine
+from engine.worker.cuda_graphs import cuda_graphs_disabled_reason, graph_memory_estimate
 from engine.worker.memory import DEFAULT_CPU_KV_CACHE_BYTES, GiB, profile_cuda_memory, profile_host_memory
 from engine.worker.model_runner import ModelRunner
 from parallel.comm import take_comm_times
@@ -68,6 +69,11 @@ class Worker:
             budget = profile_cuda_memory(
                 runner.profile_run, self.device, cache.gpu_memory_utilization
             ).available_after
+            if self._cuda_graphs_disabled_reason() is None:
+                # The graphs are captured after the cache is allocated, so their memory is set aside now.
+                budget -= graph_memory_estimate(
+                    self.config, runner.dtype, self.config.parallel.tensor_parallel_size
+                )
         else:
             profile = profile_host_memory(runner.profile_run)
             budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
@@ -89,9 +95,19 @@ class Worker:
         return int(num_blocks), num_cpu_blocks
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Allocate the KV cache, then capture the decode graphs over it where they are used.
+
+        With graphs the cache holds one block more than the scheduler knows of: the padding rows of
+        a replayed batch write there and never into a sequence's blocks.
+        """
         runner = self.model_runner
+        graphs_off = self._cuda_graphs_disabled_reason()
+        if graphs_off and self.device.type == "cuda":
+            logger.info("decode steps run eagerly: %s", graphs_off)
+        else:
+            logger.debug("no CUDA graphs: %s", graphs_off)
         self.cache_engine = CacheEngine(
-            num_blocks,
+            num_blocks + (0 if graphs_off else 1),
             self.config.cache.block_size,
             runner.kv_cache_spec(),
             runner.dtype,
@@ -99,6 +115,11 @@ class Worker:
             num_cpu_blocks,
         )
         runner.kv_caches = self.cache_engine.kv_caches
+        if not graphs_off:
+            runner.capture_decode_graphs(padding_block=num_blocks)
+
+    def _cuda_graphs_disabled_reason(self) -> str | None:
+        return cuda_graphs_disabled_reason(self.config, self.device, self.model_runner.attention_backend)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if scheduler_output.has_block_moves:
@@ -113,6 +134,11 @@ class Worker:
     def forward_times(self) -> list[tuple[float, float]]:
         """(start, end) perf_counter times of this worker's recent forward passes."""
         return list(self.model_runner.forward_times)
+
+    def cuda_graph_sizes(self) -> list[int]:
+        """The decode batch sizes this worker replays as CUDA graphs; empty when it runs eagerly."""
+        graphs = self.model_runner.decode_graphs
+        return list(graphs.sizes) if graphs else []
 
     def kv_cache_shapes(self) -> dict[int, tuple[int, ...]]:
         return {layer: tuple(cache.shape) for layer, cache in self.cache_engine.kv_caches.items()}

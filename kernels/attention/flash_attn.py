@@ -124,3 +124,7 @@ def _prefill(
 def _cumulative(lengths: list[int], device: torch.device) -> Tensor:
     """[0, l0, l0 + l1, ...] as flash-attn's int32 cu_seqlens."""
     return F.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0)).to(torch.int32)
+
+
+# Its decode path reads only device tensors, so engine/worker/cuda_graphs.py may capture it.
+flash_attn_attention.cuda_graph_safe = True  # type: ignore[attr-defined]
