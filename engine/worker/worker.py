@@ -43,6 +43,15 @@ class Worker:
 
     def init_device(self) -> None:
         if self.config.model.device == "cuda":
+            # Before any other CUDA work, so that the context, NCCL and every allocation land on this
+            # rank's GPU. Under Ray local_rank is 0: Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPU.
+            visible = torch.cuda.device_count()
+            if self.local_rank >= visible:
+                raise RuntimeError(
+                    f"worker rank {self.rank} needs GPU {self.local_rank} but this process sees {visible} "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
+                    "each worker needs its own GPU"
+                )
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         parallel = self.config.parallel
@@ -51,6 +60,7 @@ class Worker:
             parallel.pipeline_parallel_size,
             self.rank,
             self.distributed_init_method,
+            self.device,
         )
         self.model_runner = ModelRunner(self.config, self.device)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.attention.flash_attn import flash_attn_attention, flash_attn_unavailable_reason, paged_views
-from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.random_batch import random_paged_batch
 from kernels.attention.reference import reference_attention
 
 CUDA = torch.device("cuda")
@@ -47,42 +47,6 @@ def test_paged_views_read_the_cache_in_place():
     torch.testing.assert_close(values[4, 3, 2], cache[1, 2, 4, 3])
 
 
-def random_batch(specs: list[tuple[int, int]], block_size: int, dtype: torch.dtype, device: torch.device):
-    """(context, query_len) per sequence on a random cache with scattered blocks: the context's keys
-    are whatever the cache holds, as after earlier steps."""
-    heads, kv_heads, dim = 8, 2, 64
-    gen = torch.Generator().manual_seed(0)
-    widths = [-(-(c + q) // block_size) for c, q in specs]
-    blocks = torch.randperm(sum(widths) + 2, generator=gen).tolist()
-    table = torch.zeros(len(specs), max(widths), dtype=torch.long)
-    for i, width in enumerate(widths):
-        table[i, :width] = torch.tensor([blocks.pop() for _ in range(width)])
-    slots = [
-        int(table[i, pos // block_size]) * block_size + pos % block_size
-        for i, (c, q) in enumerate(specs)
-        for pos in range(c, c + q)
-    ]
-    num_tokens = sum(q for _, q in specs)
-    cache = torch.randn(2, kv_heads, sum(widths) + 2, block_size, dim, generator=gen).to(device, dtype)
-    query, key, value = (
-        torch.randn(num_tokens, h, dim, generator=gen).to(device, dtype) for h in (heads, kv_heads, kv_heads)
-    )
-    starts = [0]
-    for _, q in specs:
-        starts.append(starts[-1] + q)
-    seq_lens = [c + q for c, q in specs]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device),
-        block_table=table.to(device),
-        seq_lens=torch.tensor(seq_lens, device=device),
-        query_start_loc=starts,
-        seq_lens_list=seq_lens,
-        num_decodes=next((i for i, (_, q) in enumerate(specs) if q != 1), len(specs)),
-        block_size=block_size,
-    )
-    return query, key, value, cache, meta
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn")
 @pytest.mark.parametrize(
@@ -95,9 +59,11 @@ def random_batch(specs: list[tuple[int, int]], block_size: int, dtype: torch.dty
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_flash_attn_equals_the_reference(specs, dtype):
-    query, key, value, cache, meta = random_batch(specs, 256, dtype, CUDA)
-    expected_cache = cache.clone()
-    expected = reference_attention(query, key, value, expected_cache, meta, 64**-0.5)
-    out = flash_attn_attention(query, key, value, cache, meta, 64**-0.5)
+    batch = random_paged_batch(
+        specs, heads=8, kv_heads=2, head_dim=64, block_size=256, dtype=dtype, device=CUDA
+    )
+    expected_cache = batch.kv_cache.clone()
+    expected = reference_attention(batch.query, batch.key, batch.value, expected_cache, batch.meta, 64**-0.5)
+    out = flash_attn_attention(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, 64**-0.5)
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0)
+    torch.testing.assert_close(batch.kv_cache, expected_cache, rtol=0, atol=0)

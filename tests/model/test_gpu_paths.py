@@ -52,3 +52,19 @@ def test_tensor_parallel_on_two_gpus_equals_one(tmp_path):
         folder, enforce_eager=True, tensor_parallel_size=2, distributed_executor_backend="mp"
     )
     assert two == one
+
+
+@pytest.mark.gpu
+def test_a_cpu_engine_on_a_gpu_machine_keeps_gloo(tmp_path):
+    # NCCL cannot move CPU tensors: the run only succeeds when the backend follows the device.
+    folder = write_tiny_model(tmp_path / "model")
+    settings = dict(dtype="float32", device="cpu", max_num_seqs=8, max_model_len=512, num_kv_blocks=64)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(str(folder), tensor_parallel_size=tp, distributed_executor_backend="mp", **settings)
+        try:
+            outputs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+    assert outputs[2] == outputs[1]
