@@ -80,10 +80,10 @@ class Worker:
                 runner.profile_run, self.device, cache.gpu_memory_utilization
             ).available_after
             if self._cuda_graphs_disabled_reason() is None:
-                # The graphs are captured after the cache is allocated, so their memory is set aside now.
-                budget -= graph_memory_estimate(
-                    self.config, runner.dtype, self.config.parallel.tensor_parallel_size
-                )
+                # The graphs are captured after the cache is allocated, so their memory (and the
+                # spare block their padding rows write to) is set aside now.
+                tp_size = self.config.parallel.tensor_parallel_size
+                budget -= graph_memory_estimate(self.config, runner.dtype, tp_size) + block_bytes
         else:
             profile = profile_host_memory(runner.profile_run)
             budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
