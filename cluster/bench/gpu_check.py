@@ -238,8 +238,23 @@ def summarize_bench(results: dict[str, Any], arch: Any, batch: int, mean_context
 
 
 def run_pytest(out: Path, timeout_s: float) -> dict[str, Any]:
-    """`pytest -m gpu` over the suite; its exit status and the last lines of its report."""
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests"]
+    """`pytest -m gpu` over the folders that hold gpu tests; its status and summary line.
+
+    tests/cluster and tests/distributed import Ray and the HTTP stack, which a bare GPU machine
+    lacks, and hold no gpu test: they are left out rather than reported as collection errors.
+    """
+    folders = ["tests/kernels", "tests/model", "tests/unit"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-rs",
+        "--continue-on-collection-errors",
+        *folders,
+    ]
     print("== pytest -m gpu", flush=True)
     try:
         done = subprocess.run(command, timeout=timeout_s, capture_output=True, text=True)
@@ -297,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
     }
     if not (args.dry_run or args.skip_pytest):
-        summary["pytest_gpu"] = run_pytest(args.out, timeout_s=240)
+        summary["pytest_gpu"] = run_pytest(args.out, timeout_s=180)
     print("== attention backends against the reference", flush=True)
     names = GPU_BACKENDS if device.type == "cuda" else ("sdpa", *GPU_BACKENDS)
     summary["backends"] = check_backends(names, device, real_sizes=not args.dry_run)
