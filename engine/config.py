@@ -77,6 +77,10 @@ class ModelConfig(_Section):
         description="auto: flash_attn on CUDA where it can run, else triton, else torch; cpu_paged "
         "elsewhere ($RAYPAGE_ATTENTION_BACKEND overrides auto). A backend that cannot run here is an error",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="Run every step eagerly; False captures CUDA graphs of decode steps on CUDA (as vLLM)",
+    )
     max_logprobs: int = Field(20, ge=0, description="Most log-probabilities a request may ask for per token")
 
 

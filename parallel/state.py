@@ -55,9 +55,18 @@ def get_parallel_state() -> ParallelState:
 
 
 def init_model_parallel(
-    tp_size: int, pp_size: int, rank: int, init_method: str | None = None, backend: str | None = None
+    tp_size: int,
+    pp_size: int,
+    rank: int,
+    init_method: str | None = None,
+    device: torch.device | None = None,
 ) -> ParallelState:
-    """Join the world (when it has more than one rank) and build the TP and PP groups."""
+    """Join the world (when it has more than one rank) and build the TP and PP groups.
+
+    The backend follows the worker's device, not the machine: NCCL for a CUDA device (bound to it,
+    so that NCCL sets up its communicator on this rank's GPU and no other), gloo otherwise, so a
+    CPU engine on a machine with a GPU keeps gloo.
+    """
     global _state
     world_size = tp_size * pp_size
     if not 0 <= rank < world_size:
@@ -67,8 +76,14 @@ def init_model_parallel(
         if not dist.is_initialized():
             if init_method is None:
                 raise ValueError("a world of several ranks needs an init_method (tcp://host:port)")
-            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank)
+            on_cuda = device is not None and device.type == "cuda"
+            dist.init_process_group(
+                "nccl" if on_cuda else "gloo",
+                init_method=init_method,
+                world_size=world_size,
+                rank=rank,
+                device_id=device if on_cuda else None,
+            )
         # Every rank must create every group, in the same order.
         for pp in range(pp_size):
             ranks = list(range(pp * tp_size, (pp + 1) * tp_size))

@@ -54,7 +54,13 @@ class RayWorker:
 
     def start(self, config: EngineConfig, rank: int, init_method: str, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
-        # Ray narrows CUDA_VISIBLE_DEVICES to this actor's own GPU, so its device index is always 0.
+        # Ray narrows CUDA_VISIBLE_DEVICES to this actor's own GPU, so its device index is always 0;
+        # an actor given no GPU (a placement_bundle without one) would share GPU 0 of its node.
+        if config.model.device == "cuda" and not ray.get_gpu_ids():
+            raise RuntimeError(
+                f"worker rank {rank} was given no GPU: with device cuda every worker's placement "
+                "bundle needs {'GPU': 1} (placement_bundle null gives that)"
+            )
         self.worker = Worker(config, rank, 0, init_method)
 
     def execute_method(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:

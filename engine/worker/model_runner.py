@@ -30,6 +30,7 @@ from engine.sample.metadata import SamplingMetadata, build_sampling_metadata
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs
 from engine.sampling_params import SamplingParams
 from engine.worker.cache_engine import CacheEngine
+from engine.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from engine.worker.input_batch import InputBatch, WorkerSequenceState
 from kernels.attention import AttentionMetadata, get_attention_backend
 from parallel.pipeline import IntermediateTensors, receive_from_previous_stage, send_to_next_stage
@@ -58,6 +59,7 @@ class ModelRunner:
         )
         self.kv_caches: dict[int, torch.Tensor] = {}
         self.model: torch.nn.Module | None = None
+        self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs, on CUDA only
         # (start, end) perf_counter times of recent forward passes: shows pipeline stages overlapping.
         self.forward_times: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
 
@@ -114,8 +116,10 @@ class ModelRunner:
                 len(positions), self.arch.hidden_size, self.dtype, self.device
             )
         start = time.perf_counter()
-        with set_forward_context(meta, self.kv_caches, self.attention_backend):
-            hidden = self.model(input_ids, positions, intermediate)
+        hidden = self.decode_graphs.replay(input_ids, positions, meta) if self.decode_graphs else None
+        if hidden is None:
+            with set_forward_context(meta, self.kv_caches, self.attention_backend):
+                hidden = self.model(input_ids, positions, intermediate)
         self.forward_times.append((start, time.perf_counter()))
         if isinstance(hidden, IntermediateTensors):
             send_to_next_stage(hidden)
@@ -307,6 +311,18 @@ class ModelRunner:
             for seq in seqs:
                 self.input_batch.remove(seq.seq_id)
             self.kv_caches = saved
+
+    def capture_decode_graphs(self, padding_block: int) -> None:
+        """Capture the decode graphs over the allocated KV cache (engine/worker/cuda_graphs.py)."""
+        self.decode_graphs = capture_decode_graphs(
+            self.config,
+            self.model,
+            self.kv_caches,
+            self.attention_backend,
+            padding_block,
+            self.input_batch.block_table.shape[1],
+            self.device,
+        )
 
     def kv_cache_spec(self) -> dict[int, tuple[int, int]]:
         """(kv_heads, head_dim) of each layer this worker holds, by global layer index."""

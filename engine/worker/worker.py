@@ -14,6 +14,7 @@ import torch
 from engine.config import ResolvedEngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cache_engine import CacheEngine
+from engine.worker.cuda_graphs import cuda_graphs_disabled_reason, graph_memory_estimate
 from engine.worker.memory import DEFAULT_CPU_KV_CACHE_BYTES, GiB, profile_cuda_memory, profile_host_memory
 from engine.worker.model_runner import ModelRunner
 from parallel.comm import take_comm_times
@@ -42,6 +43,15 @@ class Worker:
 
     def init_device(self) -> None:
         if self.config.model.device == "cuda":
+            # Before any other CUDA work, so that the context, NCCL and every allocation land on this
+            # rank's GPU. Under Ray local_rank is 0: Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPU.
+            visible = torch.cuda.device_count()
+            if self.local_rank >= visible:
+                raise RuntimeError(
+                    f"worker rank {self.rank} needs GPU {self.local_rank} but this process sees {visible} "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
+                    "each worker needs its own GPU"
+                )
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         parallel = self.config.parallel
@@ -50,6 +60,7 @@ class Worker:
             parallel.pipeline_parallel_size,
             self.rank,
             self.distributed_init_method,
+            self.device,
         )
         self.model_runner = ModelRunner(self.config, self.device)
 
@@ -68,6 +79,11 @@ class Worker:
             budget = profile_cuda_memory(
                 runner.profile_run, self.device, cache.gpu_memory_utilization
             ).available_after
+            if self._cuda_graphs_disabled_reason() is None:
+                # The graphs are captured after the cache is allocated, so their memory (and the
+                # spare block their padding rows write to) is set aside now.
+                tp_size = self.config.parallel.tensor_parallel_size
+                budget -= graph_memory_estimate(self.config, runner.dtype, tp_size) + block_bytes
         else:
             profile = profile_host_memory(runner.profile_run)
             budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
@@ -89,9 +105,19 @@ class Worker:
         return int(num_blocks), num_cpu_blocks
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Allocate the KV cache, then capture the decode graphs over it where they are used.
+
+        With graphs the cache holds one block more than the scheduler knows of: the padding rows of
+        a replayed batch write there and never into a sequence's blocks.
+        """
         runner = self.model_runner
+        graphs_off = self._cuda_graphs_disabled_reason()
+        if graphs_off and self.device.type == "cuda":
+            logger.info("decode steps run eagerly: %s", graphs_off)
+        else:
+            logger.debug("no CUDA graphs: %s", graphs_off)
         self.cache_engine = CacheEngine(
-            num_blocks,
+            num_blocks + (0 if graphs_off else 1),
             self.config.cache.block_size,
             runner.kv_cache_spec(),
             runner.dtype,
@@ -99,6 +125,11 @@ class Worker:
             num_cpu_blocks,
         )
         runner.kv_caches = self.cache_engine.kv_caches
+        if not graphs_off:
+            runner.capture_decode_graphs(padding_block=num_blocks)
+
+    def _cuda_graphs_disabled_reason(self) -> str | None:
+        return cuda_graphs_disabled_reason(self.config, self.device, self.model_runner.attention_backend)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if scheduler_output.has_block_moves:
@@ -113,6 +144,11 @@ class Worker:
     def forward_times(self) -> list[tuple[float, float]]:
         """(start, end) perf_counter times of this worker's recent forward passes."""
         return list(self.model_runner.forward_times)
+
+    def cuda_graph_sizes(self) -> list[int]:
+        """The decode batch sizes this worker replays as CUDA graphs; empty when it runs eagerly."""
+        graphs = self.model_runner.decode_graphs
+        return list(graphs.sizes) if graphs else []
 
     def kv_cache_shapes(self) -> dict[int, tuple[int, ...]]:
         return {layer: tuple(cache.shape) for layer, cache in self.cache_engine.kv_caches.items()}

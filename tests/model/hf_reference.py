@@ -11,8 +11,8 @@ def hf_greedy(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int
     """Greedy continuation of `prompt_ids`, stopping at the model's EOS like the engine does."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            torch.tensor([prompt_ids], device=model.device),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=model.generation_config.eos_token_id or 0,

@@ -1,0 +1,388 @@
+"""The GPU check: one command that, on a bare machine with torch and Triton (the project's other
+dependencies carried as wheels), runs in about 8 minutes:
+
+1. `pytest -m gpu` (the CUDA-only tests);
+2. every GPU attention backend the selector knows ("triton", "flash_attn") against
+   kernels/attention/reference.py at real sizes (Llama-3-8B heads, contexts up to 4k, bf16);
+3. `raypage bench throughput` on SmolLM2-135M and on a ~1B random-weight Llama written at run time,
+   each eager (--enforce-eager) and with CUDA graphs, reporting output tokens/s and the decode
+   step's achieved HBM bandwidth as a share of the H200's ~4.8 TB/s: bytes a decode step must read
+   (the weights, less the embedding table, plus the batch's KV cache) over its median time.
+
+    python -m cluster.bench.gpu_check --out results/          # on the GPU machine
+    python -m cluster.bench.gpu_check --dry-run --out /tmp/x  # its Python parts on the CPU, tiny
+
+Results: summary.json and summary.md in --out, and the table on stdout. The benchmark runs call the
+throughput command's own handler in a subprocess each (so each run starts with a clean GPU), without
+the rest of the `raypage` CLI, whose Ray and HTTP imports the bare machine lacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+H200_HBM_BYTES_PER_S = 4.8e12
+GPU_BACKENDS = ("triton", "flash_attn")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """The dimensions of a random-weight Llama written for the benchmark."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+
+    def hf_config(self, vocab_size: int) -> dict[str, Any]:
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": vocab_size,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "hidden_act": "silu",
+        }
+
+
+# ~1.2B parameters with SmolLM2's 49152-token vocabulary (Llama-3.2-1B's shape but 16 layers).
+LLAMA_1B = LlamaShape(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8)
+LLAMA_TINY = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
+
+
+def write_random_llama(folder: Path, shape: LlamaShape, device: torch.device) -> Path:
+    """A Hugging Face Llama folder (config.json, model.safetensors, SmolLM2's tokenizer) with
+    random bf16 weights, drawn on `device` (seconds on a GPU for 1B parameters)."""
+    from safetensors.torch import save_file
+
+    from engine.models.model_files import ModelSource, packaged_model_path
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelSource(packaged_model_path(), "gguf"))
+    config = shape.hf_config(len(tokenizer))
+    head_dim = shape.hidden // shape.heads
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def weight(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+
+    tensors = {
+        "model.embed_tokens.weight": weight(config["vocab_size"], shape.hidden),
+        "lm_head.weight": weight(config["vocab_size"], shape.hidden),
+        "model.norm.weight": torch.ones(shape.hidden, dtype=torch.bfloat16),
+    }
+    for layer in range(shape.layers):
+        prefix = f"model.layers.{layer}."
+        tensors |= {
+            prefix + "self_attn.q_proj.weight": weight(shape.heads * head_dim, shape.hidden),
+            prefix + "self_attn.k_proj.weight": weight(shape.kv_heads * head_dim, shape.hidden),
+            prefix + "self_attn.v_proj.weight": weight(shape.kv_heads * head_dim, shape.hidden),
+            prefix + "self_attn.o_proj.weight": weight(shape.hidden, shape.heads * head_dim),
+            prefix + "mlp.gate_proj.weight": weight(shape.intermediate, shape.hidden),
+            prefix + "mlp.up_proj.weight": weight(shape.intermediate, shape.hidden),
+            prefix + "mlp.down_proj.weight": weight(shape.hidden, shape.intermediate),
+            prefix + "input_layernorm.weight": torch.ones(shape.hidden, dtype=torch.bfloat16),
+            prefix + "post_attention_layernorm.weight": torch.ones(shape.hidden, dtype=torch.bfloat16),
+        }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def decode_step_bytes(arch: Any, dtype_bytes: int, batch: int, mean_context: float) -> float:
+    """Bytes one decode step must read from memory at least: every weight once (the embedding table
+    only by row, so not at all when the LM head is a separate matrix) and every sequence's keys and
+    values. `arch` is an engine ArchConfig."""
+    per_layer = (
+        arch.hidden_size * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim  # q, k, v
+        + arch.num_heads * arch.head_dim * arch.hidden_size  # o
+        + 3 * arch.hidden_size * arch.intermediate_size  # gate, up, down
+    )
+    weights = arch.num_layers * per_layer + arch.vocab_size * arch.hidden_size  # + the LM head
+    kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim
+    return (weights + batch * mean_context * kv_per_token) * dtype_bytes
+
+
+def hbm_share(bytes_per_step: float, step_s: float, peak: float = H200_HBM_BYTES_PER_S) -> float:
+    return bytes_per_step / step_s / peak
+
+
+# ---- stage 2: attention backends at real sizes -----------------------------------------------
+
+
+def check_backends(
+    names: tuple[str, ...], device: torch.device, *, real_sizes: bool = True
+) -> dict[str, dict[str, Any]]:
+    """Each named backend against the reference on one mixed batch; a backend that cannot run here
+    reports why instead. Real sizes: Llama-3-8B's 32 heads over 8 KV heads of 128, 64 decodes of
+    1-4k context, a fresh 2k prefill and a 512-token chunk over a 1k prefix."""
+    from kernels.attention import get_attention_backend
+    from kernels.attention.random_batch import random_paged_batch
+    from kernels.attention.reference import reference_attention
+
+    if real_sizes:
+        specs = [(4096 - 47 * i, 1) for i in range(64)] + [(0, 2048), (1024, 512)]
+        dims = dict(heads=32, kv_heads=8, head_dim=128)
+    else:
+        specs = [(40, 1), (17, 1), (0, 9), (12, 5)]
+        dims = dict(heads=4, kv_heads=2, head_dim=16)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        try:
+            backend = get_attention_backend(name)
+        except (ValueError, RuntimeError) as exc:
+            results[name] = {"status": "unavailable", "reason": str(exc)}
+            continue
+        block_size = 256 if name == "flash_attn" else 16
+        batch = random_paged_batch(specs, block_size=block_size, dtype=dtype, device=device, **dims)
+        scale = dims["head_dim"] ** -0.5
+        expected_cache = batch.kv_cache.clone()
+        expected = reference_attention(batch.query, batch.key, batch.value, expected_cache, batch.meta, scale)
+        try:
+            out = backend(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, scale)
+        except (RuntimeError, ImportError) as exc:
+            results[name] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+            continue
+        error = (out.float() - expected.float()).abs().max().item()
+        cache_ok = torch.equal(batch.kv_cache, expected_cache)
+        ok = error <= (2e-2 if dtype != torch.float32 else 1e-4) and cache_ok
+        results[name] = {
+            "status": "ok" if ok else "mismatch",
+            "max_abs_error": error,
+            "cache_writes_equal": cache_ok,
+        }
+    return results
+
+
+# ---- stage 3: throughput --------------------------------------------------------------------
+
+
+def run_throughput(argv: list[str]) -> None:
+    """`raypage bench throughput ARGV` through the command's own parser and handler."""
+    import logging
+
+    from cluster.bench import throughput
+    from cluster.engine_args import engine_settings_from_args
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="raypage bench")
+    throughput.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["throughput", *argv])
+    args.handler(args, engine_settings_from_args(args))
+
+
+def bench(label: str, argv: list[str], out: Path, timeout_s: float) -> dict[str, Any]:
+    """One throughput run in a subprocess; its JSON results, or the error that ended it."""
+    result_path = out / f"throughput-{label}.json"
+    command = [sys.executable, "-c", "import sys; from cluster.bench.gpu_check import run_throughput; "
+               "run_throughput(sys.argv[1:])", *argv, "--output-json", str(result_path)]  # fmt: skip
+    print(f"== bench {label}: {' '.join(argv)}", flush=True)
+    try:
+        done = subprocess.run(command, timeout=timeout_s, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "timeout_s": timeout_s}
+    log = done.stdout + done.stderr
+    (out / f"throughput-{label}.log").write_text(log)
+    if done.returncode != 0:
+        return {"status": "failed", "tail": log[-2000:]}
+    # What the worker said about graphs: captured (and at which sizes), or why decode ran eagerly.
+    graphs = [
+        line for line in log.splitlines() if "CUDA graphs" in line or "decode steps run eagerly" in line
+    ]
+    return {
+        "status": "ok",
+        "cuda_graphs": graphs[-1] if graphs else "not used",
+        **json.loads(result_path.read_text()),
+    }
+
+
+def summarize_bench(results: dict[str, Any], arch: Any, batch: int, mean_context: float) -> dict[str, Any]:
+    """Output tokens/s and, from the median (decode) step time, the HBM bandwidth share."""
+    if results.get("status") != "ok":
+        return {"status": results.get("status")}
+    step_s = results["step_time_median_ms"] / 1000
+    dtype_bytes = 4 if results["engine"]["dtype"] == "float32" else 2
+    step_bytes = decode_step_bytes(arch, dtype_bytes, batch, mean_context)
+    return {
+        "status": "ok",
+        "cuda_graphs": results["cuda_graphs"],
+        "output_tokens_per_s": results["output_tokens_per_s"],
+        "decode_step_ms": results["step_time_median_ms"],
+        "decode_bytes_per_step": step_bytes,
+        "hbm_share": hbm_share(step_bytes, step_s),
+    }
+
+
+# ---- the whole check ------------------------------------------------------------------------
+
+
+def run_pytest(out: Path, timeout_s: float) -> dict[str, Any]:
+    """`pytest -m gpu` over the folders that hold gpu tests; its status and summary line.
+
+    tests/cluster and tests/distributed import Ray and the HTTP stack, which a bare GPU machine
+    lacks, and hold no gpu test: they are left out rather than reported as collection errors.
+    """
+    folders = ["tests/kernels", "tests/model", "tests/unit"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-rs",
+        "--continue-on-collection-errors",
+        *folders,
+    ]
+    print("== pytest -m gpu", flush=True)
+    try:
+        done = subprocess.run(command, timeout=timeout_s, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "timeout_s": timeout_s}
+    (out / "pytest-gpu.log").write_text(done.stdout + done.stderr)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+    # 5: nothing collected, which on a machine without CUDA is every gpu test skipped, not a failure.
+    return {"status": "ok" if done.returncode in (0, 5) else "failed", "summary": summary}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.bench.gpu_check", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("gpu-check"), help="results folder (default: gpu-check)"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the Python parts on the CPU: tiny model and workload, small kernel sizes, no pytest",
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=64, help="requests, and so the decode batch (default: 64)"
+    )
+    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens (default: 512)")
+    parser.add_argument("--output-len", type=int, default=256, help="output tokens (default: 256)")
+    parser.add_argument("--skip-pytest", action="store_true", help="leave out stage 1")
+    parser.add_argument(
+        "--bench-timeout-s", type=float, default=120.0, help="per benchmark run (default: 120)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from engine.models.model_files import packaged_model_path, read_arch_config, resolve_model_source
+
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device here (use --dry-run for the CPU parts)")
+    if args.dry_run:
+        args.num_prompts, args.input_len, args.output_len = min(args.num_prompts, 4), 16, 8
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    summary: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+        },
+    }
+    if not (args.dry_run or args.skip_pytest):
+        summary["pytest_gpu"] = run_pytest(args.out, timeout_s=180)
+    print("== attention backends against the reference", flush=True)
+    names = GPU_BACKENDS if device.type == "cuda" else ("sdpa", *GPU_BACKENDS)
+    summary["backends"] = check_backends(names, device, real_sizes=not args.dry_run)
+    shape = LLAMA_TINY if args.dry_run else LLAMA_1B
+    llama = write_random_llama(args.out / "random-llama", shape, device)
+    # The dry run checks the script on one model; the GPU run measures both.
+    models = (
+        {"llama-tiny": str(llama)}
+        if args.dry_run
+        else {"smollm2": str(packaged_model_path()), "llama-1b": str(llama)}
+    )
+    workload = [
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+    ]
+    engine = ["--device", device.type, "--max-num-seqs", str(args.num_prompts), "--max-model-len", "2048"]
+    if args.dry_run:
+        engine += ["--num-kv-blocks", "64", "--dtype", "float32"]
+    # Mean context of a decode step: the prompt plus half the output, on average over the run.
+    mean_context = args.input_len + args.output_len / 2
+    summary["bench"] = {}
+    for label, model in models.items():
+        arch = read_arch_config(resolve_model_source(model))
+        for mode, flags in (("eager", ["--enforce-eager"]), ("graphs", ["--no-enforce-eager"])):
+            run = bench(
+                f"{label}-{mode}",
+                [*workload, *engine, "--model", model, *flags],
+                args.out,
+                args.bench_timeout_s,
+            )
+            summary["bench"][f"{label}-{mode}"] = summarize_bench(run, arch, args.num_prompts, mean_context)
+    summary["elapsed_s"] = time.perf_counter() - started
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    table = markdown_table(summary)
+    (args.out / "summary.md").write_text(table)
+    print(table, flush=True)
+    return summary
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The figures the README records: backends, then tokens/s and HBM share per run."""
+    lines = [f"GPU check of {summary['date']} on {summary['device']} (torch {summary['torch']})", ""]
+    if "pytest_gpu" in summary:
+        lines += [
+            f"pytest -m gpu: {summary['pytest_gpu']['status']} ({summary['pytest_gpu'].get('summary', '')})",
+            "",
+        ]
+    lines += ["| backend | status | max abs error vs reference |", "| --- | --- | --- |"]
+    for name, result in summary["backends"].items():
+        lines.append(
+            f"| {name} | {result['status']} | {result.get('max_abs_error', result.get('reason', ''))} |"
+        )
+    lines += [
+        "",
+        "| run | output tok/s | decode step (ms) | HBM share of 4.8 TB/s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for label, result in summary["bench"].items():
+        if result["status"] != "ok":
+            lines.append(f"| {label} | {result['status']} | | |")
+            continue
+        lines.append(
+            f"| {label} | {result['output_tokens_per_s']:.0f} | {result['decode_step_ms']:.2f} | {result['hbm_share']:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
