@@ -4,6 +4,7 @@ count against the checkpoint itself, and a whole --dry-run (tiny model and workl
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -53,8 +54,12 @@ def test_dry_run_checks_the_backends_and_benchmarks_eager_and_graph_modes(dry_ru
     assert summary["device"] == "cpu" and "pytest_gpu" not in summary
     assert summary["backends"]["sdpa"]["status"] == "ok"  # the CPU stand-in for the GPU backends
     for name in gpu_check.GPU_BACKENDS:
-        assert summary["backends"][name]["status"] in ("unavailable", "failed")
-        assert summary["backends"][name]["reason"]
+        result = summary["backends"][name]
+        if name == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+            # The kernel tests' conftest turned the interpreter on for this process: Triton runs here.
+            assert result["status"] == "ok", result
+        else:
+            assert result["status"] in ("unavailable", "failed") and result["reason"]
     assert set(summary["bench"]) == {"llama-tiny-eager", "llama-tiny-graphs"}
     for run in summary["bench"].values():
         assert run["status"] == "ok" and run["output_tokens_per_s"] > 0 and 0 < run["hbm_share"] < 1
