@@ -10,6 +10,7 @@ after the live ranks, which may be blocked in a collective with it, time out.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from engine.exceptions import EngineDeadError
 from engine.executor import ray_utils
 from engine.executor.base import Executor
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.process_utils import available_cores, free_port
+from engine.process_utils import available_cores, free_port, interface_with_address
 from engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class RayWorker:
 
     def start(self, config: EngineConfig, rank: int, init_method: str, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
+        _bind_collectives_to_node_address()
         # Ray narrows CUDA_VISIBLE_DEVICES to this actor's own GPU, so its device index is always 0.
         self.worker = Worker(config, rank, 0, init_method)
 
@@ -223,6 +225,21 @@ class RayDistributedExecutor(Executor):
         if self._placement_group is not None and self._owns_placement_group:
             remove_placement_group(self._placement_group)
         self._placement_group = None
+
+
+def _bind_collectives_to_node_address() -> None:
+    """Make gloo (and NCCL's bootstrap) use the interface of the address Ray knows this node by.
+
+    Left alone, gloo binds the address its host name resolves to, which on many hosts (and here in
+    a container) is loopback or no local address at all, and then falls back to loopback: peers on
+    other nodes cannot reach it and the rendezvous times out. An interface the user chose wins."""
+    ip = ray.util.get_node_ip_address()
+    interface = interface_with_address(ip)
+    if interface is None:  # the node's address is not local (NAT): keep the libraries' own choice
+        logger.warning("no local interface holds the Ray node address %s; gloo picks its own", ip)
+        return
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(variable, interface)
 
 
 def _first_line(error: BaseException) -> str:
