@@ -74,6 +74,7 @@ class RayDistributedExecutor(Executor):
         self._failure: str | None = None
         self._workers: list[Any] = []
         self.worker_nodes: list[str] = []
+        self.worker_ips: list[str] = []  # each rank's node address, to name a lost node by
         self._placement_group = None
         self._owns_placement_group = parallel.placement_group_id is None
         ray_utils.connect(parallel.ray_address)
@@ -115,6 +116,7 @@ class RayDistributedExecutor(Executor):
         order = ray_utils.rank_order(nodes, driver_node, parallel.tensor_parallel_size)
         self._workers = [actors[index] for index in order]
         self.worker_nodes = [nodes[index] for index in order]
+        self.worker_ips = [infos[index][1] for index in order]
         rank0_ip = infos[order[0]][1]
         port = self._wait([self._workers[0].free_port.remote()], "free_port", _deadline())[0]
         init_method = f"tcp://{rank0_ip}:{port}"
@@ -200,7 +202,9 @@ class RayDistributedExecutor(Executor):
         return None
 
     def _node_of(self, rank: int) -> str:
-        return f" (node {self.worker_nodes[rank][:8]})" if rank < len(self.worker_nodes) else ""
+        if rank >= len(self.worker_nodes):
+            return ""
+        return f" (node {self.worker_nodes[rank][:8]} at {self.worker_ips[rank]})"
 
     def _fail(self, failure: str, method: str) -> EngineDeadError:
         """Mark the executor dead and stop the workers (the live ones wait in collectives for the dead)."""

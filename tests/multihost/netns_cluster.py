@@ -23,9 +23,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import psutil
 
 PREFIX = "rpmh"  # raypage multi-host: namespaces, links and the bridge all start with it
 BRIDGE = f"{PREFIX}-br"
@@ -108,17 +111,26 @@ def kill_namespace_processes(namespace: str) -> None:
         time.sleep(0.1)
 
 
+def leftovers() -> tuple[list[str], list[str]]:
+    """The namespaces and the links (in the root namespace) whose names start with PREFIX."""
+    namespaces = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
+    links = [
+        line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link", "show").stdout.splitlines()
+    ]
+    mine = f"{PREFIX}-"
+    return [name for name in namespaces if name.startswith(mine)], [
+        name for name in links if name.startswith(mine)
+    ]
+
+
 def remove_leftovers() -> None:
     """Remove what a crashed run left: its namespaces (after their processes), links and bridge."""
-    for line in _ip("netns", "list").stdout.splitlines():
-        namespace = line.split()[0] if line.strip() else ""
-        if namespace.startswith(f"{PREFIX}-"):
-            kill_namespace_processes(namespace)
-            _ip("netns", "delete", namespace, check=False)
-    for line in _ip("-o", "link", "show").stdout.splitlines():
-        name = line.split(":")[1].strip().split("@")[0]
-        if name.startswith(f"{PREFIX}-"):
-            _ip("link", "delete", name, check=False)
+    namespaces, links = leftovers()
+    for namespace in namespaces:
+        kill_namespace_processes(namespace)
+        _ip("netns", "delete", namespace, check=False)
+    for link in links:
+        _ip("link", "delete", link, check=False)
     shutil.rmtree(TEMP_ROOT, ignore_errors=True)
 
 
@@ -128,7 +140,7 @@ def entered(namespace: str) -> Iterator[None]:
 
     setns(2) moves only the calling thread, so other threads of the test process are unaffected."""
     libc = ctypes.CDLL(None, use_errno=True)
-    own = os.open(f"/proc/self/task/{_thread_id()}/ns/net", os.O_RDONLY)
+    own = os.open(f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
     target = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
     try:
         if libc.setns(target, _CLONE_NEWNET) != 0:
@@ -141,12 +153,6 @@ def entered(namespace: str) -> Iterator[None]:
     finally:
         os.close(own)
         os.close(target)
-
-
-def _thread_id() -> int:
-    import threading
-
-    return threading.get_native_id()
 
 
 class NetnsCluster:
@@ -232,11 +238,23 @@ class NetnsCluster:
             raise RuntimeError(f"`ray start` on {name} failed:\n{started.stdout[-4000:]}")
 
     def partition(self, name: str) -> None:
-        """Cut host `name` off the network (its processes keep running)."""
-        _ip("link", "set", self.hosts[name].link, "down")
+        """Cut host `name` off the network (its processes keep running). The host's own end of its
+        veth is taken down, which `ip -n` reaches from any namespace the caller is in."""
+        _ip("-n", self.hosts[name].namespace, "link", "set", "eth0", "down")
 
     def heal(self, name: str) -> None:
-        _ip("link", "set", self.hosts[name].link, "up")
+        _ip("-n", self.hosts[name].namespace, "link", "set", "eth0", "up")
+
+    def hosts_running(self, title: str) -> list[str]:
+        """The hosts with a process whose command line contains `title` (e.g. "RayWorker")."""
+        found = []
+        for name, host in self.hosts.items():
+            for pid in namespace_pids(host.namespace):
+                with contextlib.suppress(psutil.Error):
+                    if title in " ".join(psutil.Process(pid).cmdline()):
+                        found.append(name)
+                        break
+        return found
 
     def kill_node(self, name: str) -> None:
         """Host `name` dies: every process on it is killed at once."""
@@ -250,3 +268,6 @@ class NetnsCluster:
             _ip("link", "delete", host.link, check=False)
         _ip("link", "delete", BRIDGE, check=False)
         shutil.rmtree(TEMP_ROOT, ignore_errors=True)
+        namespaces, links = leftovers()
+        if namespaces or links:
+            raise RuntimeError(f"teardown left namespaces {namespaces} and links {links}")
