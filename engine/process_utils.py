@@ -33,10 +33,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def loopback_interface() -> str:
     """The name of this host's loopback network interface ("lo" on Linux, "lo0" on macOS)."""
+    return interface_with_address("127.0.0.1") or "lo"
+
+
+def interface_with_address(ip: str) -> str | None:
+    """The name of the network interface that holds address `ip` on this host, or None."""
     for name, addresses in psutil.net_if_addrs().items():
-        if any(address.address == "127.0.0.1" for address in addresses):
+        if any(address.address == ip for address in addresses):
             return name
-    return "lo"
+    return None
 
 
 def describe_exit(exitcode: int | None) -> str:

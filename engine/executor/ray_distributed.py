@@ -10,6 +10,7 @@ after the live ranks, which may be blocked in a collective with it, time out.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from engine.exceptions import EngineDeadError
 from engine.executor import ray_utils
 from engine.executor.base import Executor
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.process_utils import available_cores, free_port
+from engine.process_utils import available_cores, free_port, interface_with_address
 from engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class RayWorker:
 
     def start(self, config: EngineConfig, rank: int, init_method: str, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
+        _bind_collectives_to_node_address()
         # Ray narrows CUDA_VISIBLE_DEVICES to this actor's own GPU, so its device index is always 0;
         # an actor given no GPU (a placement_bundle without one) would share GPU 0 of its node.
         if config.model.device == "cuda" and not ray.get_gpu_ids():
@@ -78,6 +80,7 @@ class RayDistributedExecutor(Executor):
         self._failure: str | None = None
         self._workers: list[Any] = []
         self.worker_nodes: list[str] = []
+        self.worker_ips: list[str] = []  # each rank's node address, to name a lost node by
         self._placement_group = None
         self._owns_placement_group = parallel.placement_group_id is None
         ray_utils.connect(parallel.ray_address)
@@ -119,6 +122,7 @@ class RayDistributedExecutor(Executor):
         order = ray_utils.rank_order(nodes, driver_node, parallel.tensor_parallel_size)
         self._workers = [actors[index] for index in order]
         self.worker_nodes = [nodes[index] for index in order]
+        self.worker_ips = [infos[index][1] for index in order]
         rank0_ip = infos[order[0]][1]
         port = self._wait([self._workers[0].free_port.remote()], "free_port", _deadline())[0]
         init_method = f"tcp://{rank0_ip}:{port}"
@@ -204,7 +208,9 @@ class RayDistributedExecutor(Executor):
         return None
 
     def _node_of(self, rank: int) -> str:
-        return f" (node {self.worker_nodes[rank][:8]})" if rank < len(self.worker_nodes) else ""
+        if rank >= len(self.worker_nodes):
+            return ""
+        return f" (node {self.worker_nodes[rank][:8]} at {self.worker_ips[rank]})"
 
     def _fail(self, failure: str, method: str) -> EngineDeadError:
         """Mark the executor dead and stop the workers (the live ones wait in collectives for the dead)."""
@@ -229,6 +235,21 @@ class RayDistributedExecutor(Executor):
         if self._placement_group is not None and self._owns_placement_group:
             remove_placement_group(self._placement_group)
         self._placement_group = None
+
+
+def _bind_collectives_to_node_address() -> None:
+    """Make gloo (and NCCL's bootstrap) use the interface of the address Ray knows this node by.
+
+    Left alone, gloo binds the address its host name resolves to, which on many hosts (and here in
+    a container) is loopback or no local address at all, and then falls back to loopback: peers on
+    other nodes cannot reach it and the rendezvous times out. An interface the user chose wins."""
+    ip = ray.util.get_node_ip_address()
+    interface = interface_with_address(ip)
+    if interface is None:  # the node's address is not local (NAT): keep the libraries' own choice
+        logger.warning("no local interface holds the Ray node address %s; gloo picks its own", ip)
+        return
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(variable, interface)
 
 
 def _first_line(error: BaseException) -> str:

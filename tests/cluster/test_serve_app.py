@@ -304,7 +304,7 @@ def test_killed_worker_fails_the_request_and_serve_replaces_the_replica(
     killed_at = time.monotonic()
     workers[1].kill()
     with pytest.raises(
-        openai.APIError, match=r"The engine is not running: .*Ray worker rank \d \(node \w+\) died"
+        openai.APIError, match=r"The engine is not running: .*Ray worker rank \d \(node \w+ at [\d.]+\) died"
     ):
         for _ in stream:
             pass

@@ -181,7 +181,9 @@ def test_removed_node_fails_the_in_flight_step(cluster, tiny_model):
         assert time.monotonic() - removed_at < DEATH_NOTICE_S
         assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
         # Rank 1 died with its node; rank 0 may have noticed first, its all-reduce cut off.
-        assert re.search(r"Ray worker rank [01] \(node \w+\) (died|failed in a step)", str(errors[0]))
+        assert re.search(
+            r"Ray worker rank [01] \(node \w+ at [\d.]+\) (died|failed in a step)", str(errors[0])
+        )
         with pytest.raises(EngineDeadError, match="Ray worker rank"):
             executor.check_health()
     finally:
