@@ -13,6 +13,7 @@ and so is the local cluster when this command started it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -67,7 +68,13 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
         help="niceness of each LLMServer replica and its engine core, so that Serve's own processes "
         "(started at 15 by Ray) yield the CPU to them; needs CAP_SYS_NICE below 15 (default: 0)",
     )
-    group.add_argument("--num-replicas", type=int, default=1, help="LLMServer replicas (default: 1)")
+    group.add_argument("--num-replicas", type=int, help="LLMServer replicas (default: 1)")
+    group.add_argument(
+        "--autoscaling-config",
+        type=json.loads,
+        help="Serve's autoscaling_config of the LLMServer deployment as JSON, e.g. "
+        '\'{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}\' (instead of --num-replicas)',
+    )
     group.add_argument(
         "--llm-server-cpus",
         type=float,
@@ -99,8 +106,12 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
     """`build_app`'s args from the parsed flags and the checked flat engine settings."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    # Only when given: Serve takes a replica count or an autoscaling config, not both.
+    replicas = {"num_replicas": args.num_replicas} if args.num_replicas is not None else {}
     return {
         **engine_settings,
+        **replicas,
+        "autoscaling_config": args.autoscaling_config,
         "served_model_name": args.served_model_name,
         "api_key": args.api_key,
         "max_request_body_bytes": args.max_request_body_bytes,
@@ -110,7 +121,6 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "enable_access_log": not args.disable_access_log,
         "ingress": args.ingress,
         "replica_niceness": args.replica_niceness,
-        "num_replicas": args.num_replicas,
         "llm_server_cpus": args.llm_server_cpus or (1.0 if args.address else float(os.cpu_count() or 1)),
         "stream_batch_interval_ms": args.stream_batch_interval_ms,
         "health_check_period_s": args.health_check_period_s,
