@@ -21,6 +21,7 @@ from ray import serve
 from cluster.serve.args import ServeAppSettings, parse_app_models
 from cluster.serve.ingress import OpenAIIngress
 from cluster.serve.llm_server import HandleLLMServer, LLMServer
+from cluster.serve.routing import ROUTER_CLASSES
 
 # Serve needs a bound even when the engine has none (max_waiting_requests: -1).
 UNBOUNDED_MAX_ONGOING_REQUESTS = 100_000
@@ -101,6 +102,16 @@ def llm_server_options(settings: ServeAppSettings) -> dict[str, Any]:
         # from its state poll.
         "logging_config": {"enable_access_log": options.ingress == "engine" and options.enable_access_log},
     }
+    router = ROUTER_CLASSES.get(options.routing_policy)
+    if router is not None:
+        deployment["request_router_config"] = {
+            "request_router_class": router,
+            "request_router_kwargs": {
+                "load_margin": options.routing_load_margin,
+                "block_size": settings.engine_config.cache.block_size,
+            },
+            "request_routing_stats_period_s": options.routing_stats_period_s,
+        }
     config = settings.engine_config
     if config.parallel.executor_backend == "ray":
         from cluster.serve.replica_bundles import replica_bundles  # imports Ray: only when used

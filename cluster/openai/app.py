@@ -57,6 +57,8 @@ class ServerSettings:
     log_stats_interval: float = 10.0  # seconds between throughput log lines; 0 turns them off
     # Deadline of a request that sets no `timeout` of its own; None: none.
     request_timeout_s: float | None = None
+    # Usage's prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details).
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -111,7 +113,11 @@ def build_app(
     max_model_len = engine.config.model.max_model_len
     prometheus = prometheus or PrometheusStatLogger(settings.served_model_names[0], max_model_len)
     timeout_s = settings.request_timeout_s
-    models = ModelRouter([ServedModel(engine, settings.served_model_names), *other_models], timeout_s)
+    models = ModelRouter(
+        [ServedModel(engine, settings.served_model_names), *other_models],
+        timeout_s,
+        settings.enable_prompt_tokens_details,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

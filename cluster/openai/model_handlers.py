@@ -37,12 +37,14 @@ class ModelHandlers:
 class ModelRouter:
     """Picks the handlers of the model a request names."""
 
-    def __init__(self, models: Sequence[ServedModel], default_timeout_s: float | None) -> None:
+    def __init__(
+        self, models: Sequence[ServedModel], default_timeout_s: float | None, prompt_tokens_details: bool
+    ) -> None:
         self.handlers = [
             ModelHandlers(
                 model,
-                OpenAIServingCompletion(model.engine, model.names, default_timeout_s),
-                OpenAIServingChat(model.engine, model.names, default_timeout_s),
+                OpenAIServingCompletion(model.engine, model.names, default_timeout_s, prompt_tokens_details),
+                OpenAIServingChat(model.engine, model.names, default_timeout_s, prompt_tokens_details),
                 OpenAIServingTokenization(model.engine, model.names),
             )
             for model in models

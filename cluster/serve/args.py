@@ -63,9 +63,19 @@ class ServeOptions(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _replicas_fixed_or_autoscaled(self) -> ServeOptions:
+    def _resolve_defaults(self) -> ServeOptions:
         if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
             raise ValueError("set num_replicas or autoscaling_config, not both (Serve takes one)")
+        several = self.max_replicas > 1
+        if self.ingress is None:
+            self.ingress = "separate" if several else "engine"
+        if self.routing_policy is None:
+            self.routing_policy = "kv_aware" if several and self.ingress == "separate" else "pow2"
+        if self.ingress == "engine" and self.routing_policy != "pow2":
+            raise ValueError(
+                f"routing_policy {self.routing_policy!r} needs ingress: separate (the ingress tokenizes "
+                "and routes; with ingress: engine Serve's proxy routes HTTP requests with pow2)"
+            )
         return self
 
     @property
@@ -88,11 +98,28 @@ class ServeOptions(BaseModel):
         10.0, ge=0, description="Seconds between the engine's throughput log lines; 0 turns them off"
     )
     enable_access_log: bool = Field(True, description="Log every HTTP request in the ingress replica's log")
-    ingress: Literal["engine", "separate"] = Field(
-        "engine",
+    enable_prompt_tokens_details: bool = Field(
+        False, description="Report the prompt tokens the prefix cache held in usage.prompt_tokens_details"
+    )
+    ingress: Literal["engine", "separate"] | None = Field(
+        None,
         description="'engine': each LLMServer replica serves the OpenAI app over its own engine (one "
         "process hop fewer); 'separate': an OpenAIIngress deployment in front, calling the LLMServer "
-        "replicas through a DeploymentHandle",
+        "replicas through a DeploymentHandle; None: 'engine' for one replica, 'separate' for more "
+        "(or autoscaling), where the ingress routes",
+    )
+    routing_policy: Literal["kv_aware", "prefix_text", "pow2"] | None = Field(
+        None,
+        description="How the separate ingress picks an LLMServer replica: 'kv_aware' (the replica whose "
+        "reported prefix cache holds the longest prefix of the prompt), 'prefix_text' (the one that has "
+        "been sent the longest prefix of its text, Ray Serve LLM's way), 'pow2' (Serve's default); "
+        "None: kv_aware with a separate ingress over more than one replica, else pow2",
+    )
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="Seconds between an LLMServer replica's reports of its prefix cache (kv_aware)"
+    )
+    routing_load_margin: float = Field(
+        8.0, ge=0, description="Requests by which a prompt's prefix may draw it to a busier replica"
     )
     num_replicas: int = Field(
         1, ge=1, description="LLMServer replicas, each with its own engine (without autoscaling_config)"
@@ -184,6 +211,7 @@ def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
         max_request_body_bytes=options.max_request_body_bytes,
         log_stats_interval=options.log_stats_interval,
         request_timeout_s=options.request_timeout_s,
+        enable_prompt_tokens_details=options.enable_prompt_tokens_details,
     )
     return ServeAppSettings(engine_settings, engine_config, server, options)
 

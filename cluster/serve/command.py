@@ -57,9 +57,9 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ingress",
         choices=("engine", "separate"),
-        default="engine",
         help="engine: each LLMServer replica serves the OpenAI app over its own engine; separate: an "
-        "OpenAIIngress deployment in front of engine-only replicas (default: engine)",
+        "OpenAIIngress deployment in front of engine-only replicas, which routes between them (default: "
+        "engine for one replica, separate for more)",
     )
     group.add_argument(
         "--replica-niceness",
@@ -119,7 +119,8 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "request_timeout_s": args.request_timeout,
         "drain_timeout_s": args.drain_timeout_s,
         "enable_access_log": not args.disable_access_log,
-        "ingress": args.ingress,
+        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+        **({"ingress": args.ingress} if args.ingress else {}),
         "replica_niceness": args.replica_niceness,
         "llm_server_cpus": args.llm_server_cpus or (1.0 if args.address else float(os.cpu_count() or 1)),
         "stream_batch_interval_ms": args.stream_batch_interval_ms,

@@ -158,7 +158,9 @@ def test_autoscaling_config_goes_to_serve_checked_by_its_schema() -> None:
     settings = parse_app_args({"autoscaling_config": autoscaling, "llm_server_cpus": 2})
     options = llm_server_options(settings)
     assert options["autoscaling_config"] == autoscaling and "num_replicas" not in options
-    assert required_cpus(settings) == 6.0  # room for every replica it may scale to
+    # Room for every replica it may scale to, and their ingress (a separate one, routing between them).
+    assert settings.options.ingress == "separate" and settings.options.routing_policy == "kv_aware"
+    assert required_cpus(settings) == 3 * 2.0 + 1.0
     with pytest.raises(ValueError, match=r"autoscaling_config: unknown key.*'max_replica'"):
         parse_app_args({"autoscaling_config": {"max_replica": 2}})
     with pytest.raises(ValueError, match=r"max_replicas \(2\) must be greater than or equal to min_replicas"):
