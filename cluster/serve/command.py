@@ -26,6 +26,7 @@ from ray import serve
 from cluster.openai.api_server import add_server_args
 from cluster.serve.args import parse_app_args
 from cluster.serve.proxy_mode import PROXY_MODES, default_proxy_mode, proxy_env
+from cluster.serve.routing import ROUTING_POLICIES
 from cluster.serve_app import build_app, required_cpus
 from engine.executor.ray_utils import LOCAL_OBJECT_STORE_BYTES
 
@@ -76,6 +77,19 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
         '\'{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}\' (instead of --num-replicas)',
     )
     group.add_argument(
+        "--routing-policy",
+        choices=ROUTING_POLICIES,
+        help="how a separate ingress picks a replica: by the prompt's prefix in the replicas' reported KV "
+        "caches, by the text it sent each, or Serve's pow2 (default: kv_aware with several replicas)",
+    )
+    group.add_argument(
+        "--routing-load-margin",
+        type=float,
+        default=8.0,
+        help="requests by which the replica holding a prompt's prefix may be busier than the least-loaded "
+        "one and still get it (default: 8)",
+    )
+    group.add_argument(
         "--llm-server-cpus",
         type=float,
         help="CPUs each LLMServer replica reserves, which Ray gives its engine as threads (default: the "
@@ -121,6 +135,8 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "enable_access_log": not args.disable_access_log,
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
         **({"ingress": args.ingress} if args.ingress else {}),
+        **({"routing_policy": args.routing_policy} if args.routing_policy else {}),
+        "routing_load_margin": args.routing_load_margin,
         "replica_niceness": args.replica_niceness,
         "llm_server_cpus": args.llm_server_cpus or (1.0 if args.address else float(os.cpu_count() or 1)),
         "stream_batch_interval_ms": args.stream_batch_interval_ms,

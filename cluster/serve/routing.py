@@ -69,19 +69,21 @@ def choose_by_prefix(
     hits: Mapping[ReplicaID, int],
     loads: Mapping[ReplicaID, float],
     margin: float,
-    tie_break: Mapping[ReplicaID, tuple[float, ...]] | None = None,
+    occupancy: Mapping[ReplicaID, int] | None = None,
 ) -> ReplicaID:
     """The replica with the longest prefix hit, unless its load exceeds the least loaded one's by
-    more than `margin`; the least loaded when nothing hits. Among equally loaded replicas the lowest
-    `tie_break` (KV usage, then how much its cache holds, so that new prefixes spread over the
-    caches) counts as least loaded; remaining ties are broken at random."""
+    more than `margin`; otherwise (nothing hits, or the best is too busy) the least loaded, where
+    every replica within `margin` of the lowest load counts as least loaded and the one whose cache
+    holds least (`occupancy`) among them wins, so that new prefixes spread over the caches rather
+    than follow a request that has only just finished. Remaining ties are broken at random."""
     replicas = list(hits)
     random.shuffle(replicas)
-    least_loaded = min(replicas, key=lambda replica: (loads[replica], (tie_break or {}).get(replica, ())))
+    lowest = min(loads[replica] for replica in replicas)
     best = max(replicas, key=lambda replica: (hits[replica], -loads[replica]))
-    if hits[best] == 0 or loads[best] - loads[least_loaded] > margin:
-        return least_loaded
-    return best
+    if hits[best] > 0 and loads[best] - lowest <= margin:
+        return best
+    idle_enough = [replica for replica in replicas if loads[replica] - lowest <= margin]
+    return min(idle_enough, key=lambda replica: ((occupancy or {}).get(replica, 0), loads[replica]))
 
 
 class _RecentKeys:
@@ -161,14 +163,11 @@ class PrefixAffinityRouter(RequestRouter):
             for replica in candidate_replicas
         }
         loads = {replica.replica_id: self._load(replica) for replica in candidate_replicas}
-        tie_break = {
-            replica.replica_id: (
-                (replica.routing_stats or {}).get("kv_cache_usage", 0.0),
-                len(self.reported(replica)) + len(self._recent(replica.replica_id)),
-            )
+        occupancy = {
+            replica.replica_id: len(self.reported(replica)) + len(self._recent(replica.replica_id))
             for replica in candidate_replicas
         }
-        chosen = choose_by_prefix(hits, loads, self._load_margin, tie_break)
+        chosen = choose_by_prefix(hits, loads, self._load_margin, occupancy)
         # Its blocks will be there once prefilled, before the replica's next report says so. (Serve's
         # on_request_routed hook only fires with strict max_ongoing_requests.)
         self._recent(chosen).add(keys)
@@ -196,12 +195,12 @@ class PrefixAffinityRouter(RequestRouter):
         return self._routed[replica_id]
 
     def _load(self, replica: RunningReplica) -> float:
-        """Requests on the replica: those in flight from here, or as many as it last reported
-        running and waiting if more (other ingress replicas send it requests too)."""
-        stats = replica.routing_stats or {}
-        return max(
-            self._in_flight.get(replica.replica_id, 0), stats.get("running", 0) + stats.get("waiting", 0)
-        )
+        """Requests on the replica: those in flight from here, plus those it last reported waiting
+        (queued for want of KV blocks or batch slots, which requests from other ingress replicas
+        cause too). Its reported running count is not added: up to a report period old, it would
+        make a replica that has just finished a request look busy."""
+        waiting = (replica.routing_stats or {}).get("waiting", 0)
+        return self._in_flight.get(replica.replica_id, 0) + waiting
 
 
 class KVAwareRouter(PrefixAffinityRouter):

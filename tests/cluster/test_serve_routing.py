@@ -6,7 +6,6 @@ prefix-cache hit rate of Serve's `pow2` (measured by the server's own usage.prom
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import openai
 import pytest
 from ray import serve
 
+from cluster.bench.serve import make_prefix_group_prompts
 from cluster.serve.routing import choose_by_prefix, prefix_hits
 from cluster.serve_app import build_app
 from tests.cluster.local_ray_cluster import local_cluster
@@ -29,17 +29,6 @@ PREFIX_TOKENS, SUFFIX_TOKENS, MAX_TOKENS = 6 * BLOCK_SIZE, 8, 8
 # One round of the 14 groups needs 14 x 7 = 98 blocks: more than one replica's 64, less than both's
 # 128. Split by group (7 each: 49 blocks), every replica keeps its groups' prefixes until they come
 # back; spread at random, a prefix comes back to a replica that has seen the other 13 since.
-
-
-def prefix_groups_workload(seed: int = 0) -> list[list[int]]:
-    """Token-id prompts: GROUPS shared prefixes, REQUESTS_PER_GROUP distinct suffixes each, round robin."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(100, 1000) for _ in range(PREFIX_TOKENS)] for _ in range(GROUPS)]
-    return [
-        prefix + [rng.randrange(100, 1000) for _ in range(SUFFIX_TOKENS)]
-        for _ in range(REQUESTS_PER_GROUP)
-        for prefix in prefixes
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +63,11 @@ def hit_rate(base_url: str, model: Path, policy: str) -> float:
     try:
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
         prompt_tokens = cached_tokens = 0
-        for prompt in prefix_groups_workload():
+        # `raypage bench serve --dataset prefix-groups`'s prompts: GROUPS prefixes, round robin.
+        workload = make_prefix_group_prompts(
+            GROUPS * REQUESTS_PER_GROUP, GROUPS, PREFIX_TOKENS, SUFFIX_TOKENS, 0
+        )
+        for prompt in workload:
             usage = client.completions.create(
                 model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
             ).usage
@@ -100,4 +93,11 @@ def test_the_longest_prefix_wins_unless_its_replica_is_too_busy() -> None:
     hits, loads = {"x": 2, "y": 0}, {"x": 3.0, "y": 0.0}
     assert choose_by_prefix(hits, loads, margin=3) == "x"
     assert choose_by_prefix(hits, loads, margin=2) == "y"  # x is 3 requests busier: over the margin
-    assert choose_by_prefix({"x": 0, "y": 0}, {"x": 1.0, "y": 0.0}, margin=8) == "y"  # no hit: least loaded
+    # No hit: the least loaded, or within the margin of it the emptier cache.
+    assert (
+        choose_by_prefix({"x": 0, "y": 0}, {"x": 9.0, "y": 0.0}, margin=8, occupancy={"x": 0, "y": 50}) == "y"
+    )
+    assert (
+        choose_by_prefix({"x": 0, "y": 0}, {"x": 1.0, "y": 0.0}, margin=8, occupancy={"x": 0, "y": 50}) == "x"
+    )
+    assert choose_by_prefix({"x": 0, "y": 0}, {"x": 1.0, "y": 0.0}, margin=8) == "y"
