@@ -102,6 +102,12 @@ class AsyncLLMEngine:
         self._check_alive()
         return await self.engine_core.reset_prefix_cache_async()
 
+    async def prefix_cache_summary(self) -> bytes:
+        """The prefix cache's block hashes, compact (`BlockPool.cached_hash_summary`): what a Serve
+        router matches a prompt's chain hashes against."""
+        self._check_alive()
+        return await self.engine_core.call_utility_async("prefix_cache_summary", result_type=bytes)
+
     @property
     def errored(self) -> bool:
         return self._dead_error is not None or self.engine_core.errored

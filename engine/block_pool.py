@@ -12,6 +12,9 @@ from array import array
 from collections.abc import Iterable, Sequence
 
 BlockHash = bytes
+# Bytes of each block hash in a prefix-cache summary (`BlockPool.cached_hash_summary`): a collision
+# only misleads a routing guess, and 2^-64 odds are plenty for that at half the size.
+SUMMARY_HASH_BYTES = 8
 
 
 def hash_block_tokens(
@@ -23,6 +26,19 @@ def hash_block_tokens(
     digest.update(array("q", token_ids).tobytes())
     digest.update(extra_key)
     return digest.digest()
+
+
+def chain_block_hashes(
+    token_ids: Sequence[int], block_size: int, hashes: list[BlockHash] | None = None
+) -> list[BlockHash]:
+    """The chain hashes of every full block of `token_ids`: `hashes` (those of its first blocks,
+    computed earlier) extended in place, or a new list. The KV cache manager publishes blocks under
+    these hashes, and a Serve router computes them from a prompt to find the replica holding it."""
+    hashes = [] if hashes is None else hashes
+    for index in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, token_ids[index * block_size : (index + 1) * block_size]))
+    return hashes
 
 
 class KVCacheBlock:
@@ -147,6 +163,11 @@ class BlockPool:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
             block.block_hash = None
+
+    def cached_hash_summary(self) -> bytes:
+        """What the prefix cache holds, compact: the first SUMMARY_HASH_BYTES of each cached block's
+        chain hash (free blocks whose hash survives included: a request would hit them), concatenated."""
+        return b"".join(block_hash[:SUMMARY_HASH_BYTES] for block_hash in self.cached_blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no request holds a block."""

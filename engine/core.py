@@ -99,6 +99,10 @@ class EngineCore:
         """Forget every cached prefix; False (nothing changed) while any request holds blocks."""
         return self.scheduler.reset_prefix_cache()
 
+    def prefix_cache_summary(self) -> bytes:
+        """The prefix cache's block hashes, compact (`BlockPool.cached_hash_summary`), for routing."""
+        return self.scheduler.prefix_cache_summary()
+
     def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
         """Call a Worker method on every rank (diagnostics: KV cache shapes, forward timings)."""
         return self.executor.collective_rpc(method, tuple(args))

@@ -12,7 +12,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
 
-from engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from engine.block_pool import BlockHash, BlockPool, KVCacheBlock, chain_block_hashes
 from engine.request import Sequence
 
 
@@ -80,6 +80,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (and nothing forgotten) while a sequence holds blocks."""
         return self.block_pool.reset_prefix_cache()
+
+    def prefix_cache_summary(self) -> bytes:
+        return self.block_pool.cached_hash_summary()
 
     # ---- prefix cache --------------------------------------------------------------------------
 
@@ -255,13 +258,7 @@ class KVCacheManager:
 
     def _block_hashes(self, seq: Sequence) -> list[BlockHash]:
         """Chain hashes of the sequence's full blocks, extended as its tokens grow."""
-        hashes = self.seq_block_hashes[seq.seq_id]
-        size = self.block_size
-        tokens = seq.all_token_ids
-        for index in range(len(hashes), len(tokens) // size):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[index * size : (index + 1) * size]))
-        return hashes
+        return chain_block_hashes(seq.all_token_ids, self.block_size, self.seq_block_hashes[seq.seq_id])
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the blocks that become full once `num_tokens` tokens are written."""

@@ -120,6 +120,10 @@ class Scheduler:
         """Forget every cached prefix; False (and nothing forgotten) while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def prefix_cache_summary(self) -> bytes:
+        """The prefix cache's block hashes, compact (`BlockPool.cached_hash_summary`)."""
+        return self.kv_cache_manager.prefix_cache_summary()
+
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep:

@@ -6,6 +6,12 @@ rate ("inf": all at once). Per request it records the time to first token (TTFT)
 streamed chunks (ITL), the time per output token after the first (TPOT) and the end-to-end latency;
 it reports their mean, median and p99 with request and token throughput, writes a JSON result, and
 draws latency against request rate when given several rates.
+
+`--dataset prefix-groups` makes the prompts share prefixes: `--num-groups` prefixes of `--prefix-len`
+tokens, each prompt one of them plus `--input-len` tokens of its own, the groups interleaved round
+robin (the workload that tells routing policies apart: where a request lands decides whether its
+prefix is cached). With a server started with `--enable-prompt-tokens-details` the summary reports
+the prefix-cache hit rate: the share of prompt tokens the server's caches held.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import httpx
 from cluster.bench.throughput import TOKEN_ID_RANGE, positive_int
 
 WARMUP_OUTPUT_TOKENS = 4
+DATASETS = ("random", "prefix-groups")
 
 
 @dataclasses.dataclass
@@ -37,6 +44,7 @@ class RequestResult:
     ok: bool
     prompt_tokens: int
     output_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
     ttft: float = 0.0
     latency: float = 0.0
     itls: list[float] = dataclasses.field(default_factory=list)
@@ -62,14 +70,31 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--request-rate",
         nargs="+",
-        default=["inf"],
+        default=[math.inf],  # a list default is not passed through `type`
         type=_rate,
         help="requests per second, one run each; inf sends all at once (default: inf)",
     )
     parser.add_argument(
         "--num-prompts", type=positive_int, default=100, help="requests per run (default: 100)"
     )
-    parser.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (default: 128)")
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="random",
+        help="random prompts, or prefix-groups: shared prefixes, interleaved (default: random)",
+    )
+    parser.add_argument(
+        "--input-len",
+        type=positive_int,
+        default=128,
+        help="prompt tokens (prefix-groups: each prompt's own, after its group's prefix) (default: 128)",
+    )
+    parser.add_argument(
+        "--num-groups", type=positive_int, default=16, help="prefix-groups: shared prefixes (default: 16)"
+    )
+    parser.add_argument(
+        "--prefix-len", type=positive_int, default=512, help="prefix-groups: prefix tokens (default: 512)"
+    )
     parser.add_argument("--output-len", type=positive_int, default=128, help="output tokens (default: 128)")
     parser.add_argument("--seed", type=int, default=0, help="seeds prompts and arrival times (default: 0)")
     parser.add_argument("--max-concurrency", type=positive_int, help="most requests in flight at once")
@@ -98,7 +123,29 @@ def require_matplotlib() -> None:
 
 def make_prompts(num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(*TOKEN_ID_RANGE) for _ in range(input_len)] for _ in range(num_prompts)]
+    return [_random_tokens(rng, input_len) for _ in range(num_prompts)]
+
+
+def make_prefix_group_prompts(
+    num_prompts: int, num_groups: int, prefix_len: int, suffix_len: int, seed: int
+) -> list[list[int]]:
+    """Prompt i: the prefix of group i % num_groups, then `suffix_len` tokens of its own."""
+    rng = random.Random(seed)
+    prefixes = [_random_tokens(rng, prefix_len) for _ in range(num_groups)]
+    return [prefixes[index % num_groups] + _random_tokens(rng, suffix_len) for index in range(num_prompts)]
+
+
+def _random_tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(count)]
+
+
+def workload_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """The prompts of one run, as --dataset says."""
+    if args.dataset == "prefix-groups":
+        return make_prefix_group_prompts(
+            args.num_prompts, args.num_groups, args.prefix_len, args.input_len, args.seed
+        )
+    return make_prompts(args.num_prompts, args.input_len, args.seed)
 
 
 def arrival_delays(num_prompts: int, rate: float, seed: int) -> list[float]:
@@ -136,6 +183,9 @@ async def send_request(
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                    result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    )
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     if result.ttft == 0.0:
                         result.ttft = now - start
@@ -194,11 +244,19 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
         "request_throughput": len(done) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in done)) / duration,
+        "prefix_cache_hit_rate": prefix_cache_hit_rate(done),
         "ttft": stats([r.ttft for r in done]),
         "tpot": stats([r.tpot for r in done if r.tpot is not None]),
         "itl": stats([gap for r in done for gap in r.itls]),
         "e2e_latency": stats([r.latency for r in done]),
     }
+
+
+def prefix_cache_hit_rate(results: list[RequestResult]) -> float | None:
+    """The share of prompt tokens the server's prefix caches held; None when it does not report them."""
+    if not results or any(r.cached_tokens is None for r in results):
+        return None
+    return sum(r.cached_tokens or 0 for r in results) / sum(r.prompt_tokens for r in results)
 
 
 async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -213,7 +271,7 @@ async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         if not warmup.ok:
             raise SystemExit(f"raypage bench serve: error: the warm-up request failed: {warmup.error}")
-        prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
+        prompts = workload_prompts(args)
         return [await run_rate(client, model, prompts, args, rate) for rate in args.request_rate]
 
 
@@ -225,7 +283,17 @@ def run(args: argparse.Namespace, settings: dict[str, Any]) -> None:
     now = datetime.now().astimezone()
     path = args.output_json or Path("bench-results") / f"serve-{now:%Y%m%d-%H%M%S}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    workload = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len}
+    workload = {
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        **(
+            {"num_groups": args.num_groups, "prefix_len": args.prefix_len}
+            if args.dataset == "prefix-groups"
+            else {}
+        ),
+    }
     record = {
         "benchmark": "serve",
         "timestamp": now.isoformat(timespec="seconds"),
@@ -254,6 +322,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"in {summary['duration_s']:.1f} s; {summary['request_throughput']:.2f} req/s, "
         f"{summary['output_throughput']:.1f} output tok/s"
     )
+    if summary["prefix_cache_hit_rate"] is not None:
+        print(f"  prefix-cache hit rate: {summary['prefix_cache_hit_rate']:.1%} of prompt tokens")
     for name in ("ttft", "tpot", "itl", "e2e_latency"):
         print(line(name.upper(), summary[name]))
     for error in summary["errors"]:

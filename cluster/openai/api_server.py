@@ -68,6 +68,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         f"before the rest are aborted (default: {DEFAULT_DRAIN_TIMEOUT_S:g})",
     )
     group.add_argument("--disable-access-log", action="store_true", help="do not log every request")
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report the prompt tokens the prefix cache held in usage.prompt_tokens_details.cached_tokens",
+    )
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -83,6 +88,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_request_body_bytes=args.max_request_body_bytes,
         log_stats_interval=args.log_stats_interval,
         request_timeout_s=args.request_timeout,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

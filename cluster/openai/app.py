@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from http import HTTPStatus
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -27,21 +27,18 @@ from cluster.openai.drain import DrainMiddleware, DrainState
 from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError, install_error_handlers
 from cluster.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from cluster.openai.model_handlers import ModelRouter, ServedModel
 from cluster.openai.protocol import (
     MAX_TIMEOUT_S,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
     ModelList,
     OpenAIBaseModel,
     TokenizeRequest,
     TokenizeResponse,
 )
-from cluster.openai.serving_chat import OpenAIServingChat
-from cluster.openai.serving_completion import OpenAIServingCompletion
-from cluster.openai.serving_tokenize import OpenAIServingTokenization
 from engine.models.model_files import PACKAGED_GGUF
 
 logger = logging.getLogger(__name__)
@@ -60,6 +57,8 @@ class ServerSettings:
     log_stats_interval: float = 10.0  # seconds between throughput log lines; 0 turns them off
     # Deadline of a request that sets no `timeout` of its own; None: none.
     request_timeout_s: float | None = None
+    # Usage's prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details).
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -102,8 +101,10 @@ def build_app(
     prometheus: MetricsSource | None = None,
     log_stats: LoggingStatLogger | None = None,
     drain: DrainState | None = None,
+    other_models: Sequence[ServedModel] = (),
 ) -> FastAPI:
-    """The app serving `engine` under `settings.served_model_names`.
+    """The app serving `engine` under `settings.served_model_names`, and each of `other_models`
+    under its own names (a request's `model` picks one; none: `engine`'s).
 
     `prometheus` and `log_stats` are the stat loggers the engine was started with; without
     `prometheus` the app keeps its own, whose gauges /metrics refreshes from `engine.get_stats()`.
@@ -112,9 +113,11 @@ def build_app(
     max_model_len = engine.config.model.max_model_len
     prometheus = prometheus or PrometheusStatLogger(settings.served_model_names[0], max_model_len)
     timeout_s = settings.request_timeout_s
-    completion = OpenAIServingCompletion(engine, settings.served_model_names, timeout_s)
-    chat = OpenAIServingChat(engine, settings.served_model_names, timeout_s)
-    tokenization = OpenAIServingTokenization(engine, settings.served_model_names)
+    models = ModelRouter(
+        [ServedModel(engine, settings.served_model_names), *other_models],
+        timeout_s,
+        settings.enable_prompt_tokens_details,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -132,38 +135,36 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request):
         _warn_ignored(body)
-        return await completion.create_completion(body, raw_request)
+        return await models.for_model(body.model).completion.create_completion(body, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request):
         _warn_ignored(body)
-        return await chat.create_chat_completion(body, raw_request)
+        return await models.for_model(body.model).chat.create_chat_completion(body, raw_request)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        root = engine.config.model.model
-        cards = [
-            ModelCard(id=name, root=root, max_model_len=max_model_len) for name in settings.served_model_names
-        ]
-        return ModelList(data=cards)
+        return ModelList(data=models.model_cards())
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return tokenization.tokenize(body)
+        return models.for_model(body.model).tokenization.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return tokenization.detokenize(body)
+        return models.for_model(body.model).tokenization.detokenize(body)
 
     @app.get("/health")
     async def health() -> Response:
-        await engine.check_health()  # EngineDeadError -> 503
+        for model_engine in models.engines:
+            await model_engine.check_health()  # EngineDeadError -> 503
         return Response(status_code=200)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         """Forget the cached prefixes (vLLM's route): 200 once done; 409 while requests hold blocks."""
-        if not await engine.reset_prefix_cache():
+        reset = [await model_engine.reset_prefix_cache() for model_engine in models.engines]
+        if not all(reset):
             raise OpenAIError(
                 HTTPStatus.CONFLICT, "The prefix cache cannot be reset while requests are running; retry"
             )

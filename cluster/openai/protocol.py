@@ -264,12 +264,19 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokenUsageInfo(BaseModel):
+    """Usage's `prompt_tokens_details` (OpenAI's, which vLLM sends with --enable-prompt-tokens-details)."""
+
+    cached_tokens: int | None = None
+
+
 class UsageInfo(BaseModel):
     """Token counts of a request: every prompt once, every returned sequence's tokens."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class CompletionLogprobs(BaseModel):

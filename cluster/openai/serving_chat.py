@@ -22,7 +22,7 @@ from cluster.openai.protocol import (
     ChatTokenLogprob,
     DeltaMessage,
 )
-from cluster.openai.serving_engine import OpenAIServing, ServingCall, raise_on_error, random_id, usage
+from cluster.openai.serving_engine import OpenAIServing, ServingCall, raise_on_error, random_id
 from engine.logprobs import Logprob
 from engine.outputs import CompletionOutput
 
@@ -97,7 +97,10 @@ class OpenAIServingChat(OpenAIServing):
         ]
         num_generated = sum(len(seq.token_ids) for seq in final.outputs)
         return ChatCompletionResponse(
-            id=call.request_id, model=call.model, choices=choices, usage=usage(call.prompts, num_generated)
+            id=call.request_id,
+            model=call.model,
+            choices=choices,
+            usage=self.usage(call.prompts, num_generated, final.num_cached_tokens),
         )
 
     async def _stream(
@@ -114,10 +117,11 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(request.n):
             yield chunk(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role=ROLE, content="")))
         finished: set[int] = set()
-        num_generated = 0
+        num_generated = num_cached = 0
         async with contextlib.aclosing(call.outputs):
             async for _, output in call.outputs:
                 raise_on_error(output)
+                num_cached = output.num_cached_tokens
                 for seq in output.outputs:
                     if seq.index in finished:
                         continue
@@ -139,7 +143,7 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     )
         if request.include_usage:
-            final_usage = usage(call.prompts, num_generated)
+            final_usage = self.usage(call.prompts, num_generated, num_cached)
             yield ChatCompletionStreamResponse(
                 id=call.request_id, model=call.model, choices=[], usage=final_usage
             )

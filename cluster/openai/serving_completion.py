@@ -23,7 +23,6 @@ from cluster.openai.serving_engine import (
     ServingCall,
     raise_on_error,
     random_id,
-    usage,
 )
 from engine.logprobs import Logprob
 from engine.outputs import CompletionOutput, RequestOutput
@@ -100,7 +99,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         choices.sort(key=lambda choice: choice.index)
         return CompletionResponse(
-            id=call.request_id, model=call.model, choices=choices, usage=usage(prompts, num_generated)
+            id=call.request_id,
+            model=call.model,
+            choices=choices,
+            usage=self.usage(
+                prompts, num_generated, sum(final.num_cached_tokens for final in finals.values())
+            ),
         )
 
     def _choice(
@@ -161,10 +165,12 @@ class OpenAIServingCompletion(OpenAIServing):
         states: dict[int, _ChoiceState] = {}
         # A delta carries the prompt's logprobs once; every echoing choice of the prompt needs them.
         prompt_logprobs: dict[int, list[PositionLogprobs]] = {}
+        num_cached: dict[int, int] = {}
         num_generated = 0
         async with contextlib.aclosing(call.outputs):
             async for prompt_index, output in call.outputs:
                 raise_on_error(output)
+                num_cached[prompt_index] = output.num_cached_tokens
                 if output.prompt_logprobs:
                     prompt_logprobs[prompt_index] = output.prompt_logprobs
                 for seq in output.outputs:
@@ -187,5 +193,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield CompletionResponse(id=call.request_id, model=call.model, choices=[choice])
         if request.include_usage:
             yield CompletionResponse(
-                id=call.request_id, model=call.model, choices=[], usage=usage(prompts, num_generated)
+                id=call.request_id,
+                model=call.model,
+                choices=[],
+                usage=self.usage(prompts, num_generated, sum(num_cached.values())),
             )

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError
-from cluster.openai.protocol import ChatMessage, UsageInfo
+from cluster.openai.protocol import ChatMessage, PromptTokenUsageInfo, UsageInfo
 from cluster.openai.streaming import (
     PrimedStream,
     SSEResponse,
@@ -62,13 +62,34 @@ class OpenAIServing:
     """Base of the route handlers: one engine, the names it is served under."""
 
     def __init__(
-        self, engine: EngineClient, served_model_names: Sequence[str], default_timeout_s: float | None = None
+        self,
+        engine: EngineClient,
+        served_model_names: Sequence[str],
+        default_timeout_s: float | None = None,
+        prompt_tokens_details: bool = False,
     ) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.default_timeout_s = default_timeout_s
+        self.prompt_tokens_details = prompt_tokens_details
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model.max_model_len
+
+    def usage(
+        self, prompts: list[EnginePrompt], num_completion_tokens: int, num_cached_tokens: int
+    ) -> UsageInfo:
+        """Every prompt counted once (however many sequences it has), and every returned token; with
+        prompt_tokens_details, the prompt tokens the prefix cache held."""
+        num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
+        details = (
+            PromptTokenUsageInfo(cached_tokens=num_cached_tokens) if self.prompt_tokens_details else None
+        )
+        return UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=details,
+        )
 
     def resolve_model(self, requested: str | None) -> str:
         """The served name a request addresses (the first one when it names none); 404 otherwise."""
@@ -201,13 +222,3 @@ def raise_on_error(output: RequestOutput) -> None:
     """A request the engine could not run (a prompt larger than the whole KV cache) is a 400."""
     if output.error:
         raise OpenAIError(HTTPStatus.BAD_REQUEST, output.error)
-
-
-def usage(prompts: list[EnginePrompt], num_completion_tokens: int) -> UsageInfo:
-    """Every prompt counted once (however many sequences it has), and every returned token."""
-    num_prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
-    return UsageInfo(
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=num_completion_tokens,
-        total_tokens=num_prompt_tokens + num_completion_tokens,
-    )

@@ -4,6 +4,11 @@ parsed and validated without starting anything.
 Three kinds of keys share one flat mapping: `config` (a flat engine YAML file), flat engine keys
 (which override the file's), and the Serve keys of `ServeOptions` (HTTP settings and deployment
 options). A key of none of these kinds is an error that names it.
+
+Several models in one app: `models:` lists one mapping per model (its `config`, engine keys, served
+names and deployment keys, `MODEL_KEYS`); the keys beside `models` are the app's (its one ingress's)
+and the defaults of every model's engine. Each model gets its own LLMServer deployment behind one
+OpenAIIngress that routes by the request's `model`.
 """
 
 from __future__ import annotations
@@ -12,18 +17,73 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from ray.serve.config import AutoscalingConfig
 
 from cluster.openai.app import ServerSettings, served_model_names
 from engine.config import EngineConfig, checked_flat_settings, describe_validation_error
 
 ENGINE_FILE_KEY = "config"
+MODELS_KEY = "models"
+# The Serve keys a model of a multi-model app sets for itself (its LLMServer deployment's); the
+# others are the app's, set beside `models`.
+MODEL_KEYS = (
+    "served_model_name",
+    "num_replicas",
+    "autoscaling_config",
+    "max_ongoing_requests",
+    "llm_server_cpus",
+    "replica_niceness",
+    "health_check_period_s",
+    "health_check_timeout_s",
+)
 
 
 class ServeOptions(BaseModel):
     """The Serve keys of the app's args: the HTTP app's settings and the deployments' options."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _serve_accepts(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        # Serve's schema ignores unknown keys: a typo would silently keep its default.
+        unknown = sorted(set(value) - set(AutoscalingConfig.model_fields))
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {', '.join(map(repr, unknown))}; Serve's autoscaling_config keys are "
+                f"{', '.join(AutoscalingConfig.model_fields)}"
+            )
+        try:
+            AutoscalingConfig(**value)
+        except ValidationError as exc:
+            raise ValueError(describe_validation_error(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _resolve_defaults(self) -> ServeOptions:
+        if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("set num_replicas or autoscaling_config, not both (Serve takes one)")
+        several = self.max_replicas > 1
+        if self.ingress is None:
+            self.ingress = "separate" if several else "engine"
+        if self.routing_policy is None:
+            self.routing_policy = "kv_aware" if several and self.ingress == "separate" else "pow2"
+        if self.ingress == "engine" and self.routing_policy != "pow2":
+            raise ValueError(
+                f"routing_policy {self.routing_policy!r} needs ingress: separate (the ingress tokenizes "
+                "and routes; with ingress: engine Serve's proxy routes HTTP requests with pow2)"
+            )
+        return self
+
+    @property
+    def max_replicas(self) -> int:
+        """The most LLMServer replicas the deployment may run at once."""
+        if self.autoscaling_config is None:
+            return self.num_replicas
+        return AutoscalingConfig(**self.autoscaling_config).max_replicas
 
     served_model_name: str | list[str] | None = Field(
         None, description="Names clients use in 'model'; None: the model path, or the packaged model's name"
@@ -38,13 +98,38 @@ class ServeOptions(BaseModel):
         10.0, ge=0, description="Seconds between the engine's throughput log lines; 0 turns them off"
     )
     enable_access_log: bool = Field(True, description="Log every HTTP request in the ingress replica's log")
-    ingress: Literal["engine", "separate"] = Field(
-        "engine",
+    enable_prompt_tokens_details: bool = Field(
+        False, description="Report the prompt tokens the prefix cache held in usage.prompt_tokens_details"
+    )
+    ingress: Literal["engine", "separate"] | None = Field(
+        None,
         description="'engine': each LLMServer replica serves the OpenAI app over its own engine (one "
         "process hop fewer); 'separate': an OpenAIIngress deployment in front, calling the LLMServer "
-        "replicas through a DeploymentHandle",
+        "replicas through a DeploymentHandle; None: 'engine' for one replica, 'separate' for more "
+        "(or autoscaling), where the ingress routes",
     )
-    num_replicas: int = Field(1, ge=1, description="LLMServer replicas, each with its own engine")
+    routing_policy: Literal["kv_aware", "prefix_text", "pow2"] | None = Field(
+        None,
+        description="How the separate ingress picks an LLMServer replica: 'kv_aware' (the replica whose "
+        "reported prefix cache holds the longest prefix of the prompt), 'prefix_text' (the one that has "
+        "been sent the longest prefix of its text, Ray Serve LLM's way), 'pow2' (Serve's default); "
+        "None: kv_aware with a separate ingress over more than one replica, else pow2",
+    )
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="Seconds between an LLMServer replica's reports of its prefix cache (kv_aware)"
+    )
+    routing_load_margin: float = Field(
+        8.0, ge=0, description="Requests by which a prompt's prefix may draw it to a busier replica"
+    )
+    num_replicas: int = Field(
+        1, ge=1, description="LLMServer replicas, each with its own engine (without autoscaling_config)"
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None,
+        description="Serve's autoscaling_config of the LLMServer deployment (min_replicas, max_replicas, "
+        "initial_replicas, target_ongoing_requests, upscale_delay_s, downscale_delay_s, ...), checked "
+        "by Serve's own AutoscalingConfig schema; None: a fixed num_replicas",
+    )
     max_ongoing_requests: int | None = Field(
         None,
         ge=1,
@@ -126,5 +211,42 @@ def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
         max_request_body_bytes=options.max_request_body_bytes,
         log_stats_interval=options.log_stats_interval,
         request_timeout_s=options.request_timeout_s,
+        enable_prompt_tokens_details=options.enable_prompt_tokens_details,
     )
     return ServeAppSettings(engine_settings, engine_config, server, options)
+
+
+def parse_app_models(args: Mapping[str, Any]) -> list[ServeAppSettings]:
+    """The app's models, each parsed as `parse_app_args` does: one, or one per entry of `models`
+    (beside which the app's keys and every model's default engine keys stand); ValueError naming the
+    bad key and the model it belongs to."""
+    if MODELS_KEY not in args:
+        return [parse_app_args(args)]
+    shared = dict(args)
+    entries = shared.pop(MODELS_KEY)
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, Mapping) for e in entries):
+        raise ValueError(f"{MODELS_KEY!r} must be a non-empty list of mappings, one per model")
+    if shared.get("ingress", "separate") != "separate":
+        raise ValueError(f"{MODELS_KEY!r} needs ingress: separate (one ingress routes to every model)")
+    shared_model_keys = sorted(set(shared) & set(MODEL_KEYS))
+    if shared_model_keys:
+        raise ValueError(
+            f"{', '.join(map(repr, shared_model_keys))} belong to each entry of {MODELS_KEY!r}, not beside it"
+        )
+    models = []
+    for index, entry in enumerate(entries):
+        app_keys = sorted(set(entry) & (set(ServeOptions.model_fields) - set(MODEL_KEYS)))
+        if app_keys:
+            raise ValueError(
+                f"{MODELS_KEY}[{index}]: {', '.join(map(repr, app_keys))} are the app's keys: set them "
+                f"beside {MODELS_KEY!r}"
+            )
+        try:
+            models.append(parse_app_args({**shared, **entry, "ingress": "separate"}))
+        except ValueError as exc:
+            raise ValueError(f"{MODELS_KEY}[{index}]: {exc}") from None
+    names = [name for model in models for name in model.server.served_model_names]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"served model name(s) {', '.join(map(repr, repeated))} name more than one model")
+    return models

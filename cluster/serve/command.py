@@ -13,6 +13,7 @@ and so is the local cluster when this command started it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ from ray import serve
 from cluster.openai.api_server import add_server_args
 from cluster.serve.args import parse_app_args
 from cluster.serve.proxy_mode import PROXY_MODES, default_proxy_mode, proxy_env
+from cluster.serve.routing import ROUTING_POLICIES
 from cluster.serve_app import build_app, required_cpus
 from engine.executor.ray_utils import LOCAL_OBJECT_STORE_BYTES
 
@@ -56,9 +58,9 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ingress",
         choices=("engine", "separate"),
-        default="engine",
         help="engine: each LLMServer replica serves the OpenAI app over its own engine; separate: an "
-        "OpenAIIngress deployment in front of engine-only replicas (default: engine)",
+        "OpenAIIngress deployment in front of engine-only replicas, which routes between them (default: "
+        "engine for one replica, separate for more)",
     )
     group.add_argument(
         "--replica-niceness",
@@ -67,7 +69,26 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
         help="niceness of each LLMServer replica and its engine core, so that Serve's own processes "
         "(started at 15 by Ray) yield the CPU to them; needs CAP_SYS_NICE below 15 (default: 0)",
     )
-    group.add_argument("--num-replicas", type=int, default=1, help="LLMServer replicas (default: 1)")
+    group.add_argument("--num-replicas", type=int, help="LLMServer replicas (default: 1)")
+    group.add_argument(
+        "--autoscaling-config",
+        type=json.loads,
+        help="Serve's autoscaling_config of the LLMServer deployment as JSON, e.g. "
+        '\'{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}\' (instead of --num-replicas)',
+    )
+    group.add_argument(
+        "--routing-policy",
+        choices=ROUTING_POLICIES,
+        help="how a separate ingress picks a replica: by the prompt's prefix in the replicas' reported KV "
+        "caches, by the text it sent each, or Serve's pow2 (default: kv_aware with several replicas)",
+    )
+    group.add_argument(
+        "--routing-load-margin",
+        type=float,
+        default=8.0,
+        help="requests by which the replica holding a prompt's prefix may be busier than the least-loaded "
+        "one and still get it (default: 8)",
+    )
     group.add_argument(
         "--llm-server-cpus",
         type=float,
@@ -99,8 +120,12 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
     """`build_app`'s args from the parsed flags and the checked flat engine settings."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    # Only when given: Serve takes a replica count or an autoscaling config, not both.
+    replicas = {"num_replicas": args.num_replicas} if args.num_replicas is not None else {}
     return {
         **engine_settings,
+        **replicas,
+        "autoscaling_config": args.autoscaling_config,
         "served_model_name": args.served_model_name,
         "api_key": args.api_key,
         "max_request_body_bytes": args.max_request_body_bytes,
@@ -108,9 +133,11 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "request_timeout_s": args.request_timeout,
         "drain_timeout_s": args.drain_timeout_s,
         "enable_access_log": not args.disable_access_log,
-        "ingress": args.ingress,
+        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+        **({"ingress": args.ingress} if args.ingress else {}),
+        **({"routing_policy": args.routing_policy} if args.routing_policy else {}),
+        "routing_load_margin": args.routing_load_margin,
         "replica_niceness": args.replica_niceness,
-        "num_replicas": args.num_replicas,
         "llm_server_cpus": args.llm_server_cpus or (1.0 if args.address else float(os.cpu_count() or 1)),
         "stream_batch_interval_ms": args.stream_batch_interval_ms,
         "health_check_period_s": args.health_check_period_s,

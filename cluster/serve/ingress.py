@@ -1,5 +1,5 @@
-"""The OpenAI ingress deployment: the FastAPI app of `cluster.openai.app` over an engine client that
-forwards to the `LLMServer` deployment.
+"""The OpenAI ingress deployment: the FastAPI app of `cluster.openai.app` over engine clients that
+forward to the `LLMServer` deployments, one per model (a request's `model` picks it).
 
 Tokenization, chat templates and validation run here, with a tokenizer and input processor built
 from the same engine settings (the model files are local to every node); generation runs in an
@@ -14,12 +14,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from cluster.openai.app import ServerSettings, build_app
+from cluster.openai.model_handlers import ServedModel
 from cluster.serve.llm_server import EngineState
 from engine.config import EngineConfig
 from engine.exceptions import EngineDeadError
@@ -110,16 +114,43 @@ class DeploymentEngineClient:
 class ReplicaMetrics:
     """Stands in for the app's `PrometheusStatLogger`: /metrics shows the metrics an LLMServer
     replica's engine records (request counts, latency histograms, gauges), as last polled. With
-    several replicas each poll reaches one of them."""
+    several replicas each poll reaches one of them; with several models, one replica of each, their
+    series told apart by the model_name label."""
 
-    def __init__(self, client: DeploymentEngineClient) -> None:
-        self._client = client
+    def __init__(self, clients: list[DeploymentEngineClient]) -> None:
+        self._clients = clients
 
     def update_scheduler_stats(self, stats: dict[str, Any]) -> None:
         """Nothing to do: the replica's engine keeps its gauges current itself."""
 
     def render(self) -> bytes:
-        return self._client.metrics
+        if len(self._clients) == 1:
+            return self._clients[0].metrics
+        return merge_prometheus_texts([client.metrics for client in self._clients])
+
+
+class _Families:
+    """A collector of already-made metric families, for `generate_latest`."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def merge_prometheus_texts(texts: list[bytes]) -> bytes:
+    """One exposition of several: each family once (its HELP and TYPE), with every text's samples."""
+    families: dict[str, Metric] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode()):
+            if family.name in families:
+                families[family.name].samples.extend(family.samples)
+            else:
+                families[family.name] = family
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
 
 
 def engine_error(exc: Exception) -> Exception:
@@ -134,22 +165,33 @@ def engine_error(exc: Exception) -> Exception:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
-    """The HTTP front door: OpenAI's routes, /health, /metrics, /tokenize, over an LLMServer."""
+    """The HTTP front door: OpenAI's routes, /health, /metrics, /tokenize, over the LLMServer
+    deployment of each model: `models` holds (its handle, its flat engine settings, its served names),
+    the first being the model a request that names none gets."""
 
     def __init__(
-        self, llm_server: DeploymentHandle, engine_settings: dict[str, Any], settings: ServerSettings
+        self, models: list[tuple[DeploymentHandle, dict[str, Any], list[str]]], settings: ServerSettings
     ) -> None:
-        self._client = DeploymentEngineClient(llm_server, engine_settings)
+        self._models = [
+            (DeploymentEngineClient(handle, engine_settings), names)
+            for handle, engine_settings, names in models
+        ]
         self._settings = settings
-        self._poll_task: asyncio.Task | None = None
+        self._poll_tasks: list[asyncio.Task] = []
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         # Serve calls this on the replica's event loop once the constructor has run.
-        self._poll_task = asyncio.create_task(self._client.poll_state(STATE_POLL_INTERVAL_S))
-        metrics = ReplicaMetrics(self._client)
-        return build_app(self._client, self._settings, prometheus=metrics)
+        clients = [client for client, _ in self._models]
+        self._poll_tasks = [asyncio.create_task(c.poll_state(STATE_POLL_INTERVAL_S)) for c in clients]
+        (first, _), *others = self._models
+        return build_app(
+            first,
+            self._settings,
+            prometheus=ReplicaMetrics(clients),
+            other_models=[ServedModel(client, names) for client, names in others],
+        )
 
     def __del__(self) -> None:
-        # A replica whose constructor failed has no poll task.
-        if getattr(self, "_poll_task", None) is not None:
-            self._poll_task.cancel()
+        # A replica whose constructor failed has no poll tasks.
+        for task in getattr(self, "_poll_tasks", []):
+            task.cancel()

@@ -26,6 +26,7 @@ from ray import serve
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, log_stats_periodically
+from cluster.serve.routing import routing_stats
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
@@ -152,5 +153,15 @@ def set_niceness(niceness: int) -> None:
         pass
 
 
+class RoutedEngineReplica(EngineReplica):
+    """An engine replica behind a separate ingress, whose router Serve keeps informed of what the
+    replica's prefix cache holds and of its load (`cluster.serve.routing`)."""
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's routing-stats hook, called every routing_stats_period_s."""
+        summary = await self.engine.prefix_cache_summary()
+        return routing_stats(summary, self.engine.get_stats())
+
+
 LLMServer = serve.deployment(name="LLMServer")(serve.ingress()(OpenAIEngineReplica))
-HandleLLMServer = serve.deployment(name="LLMServer")(EngineReplica)
+HandleLLMServer = serve.deployment(name="LLMServer")(RoutedEngineReplica)

@@ -20,7 +20,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.serve.args import parse_app_args
+from cluster.serve.args import parse_app_models
 from engine.config import EngineConfig
 from engine.models.arch_config import ArchConfig
 from engine.models.model_files import read_arch_config, resolve_model_source, valid_tensor_parallel_sizes
@@ -60,10 +60,19 @@ def check_serve_file(path: Path) -> None:
     for app in config.applications:
         assert app.import_path == SERVE_IMPORT_PATH
         # Serve files name engine files relative to the repository root, where `serve run` is started.
-        args = dict(app.args)
-        if "config" in args:
-            args["config"] = str(REPO_ROOT / args["config"])
-        check_parallel_layout(parse_app_args(args).engine_config)
+        args = with_rooted_engine_file(app.args)
+        if "models" in args:
+            args["models"] = [with_rooted_engine_file(model) for model in args["models"]]
+        for model in parse_app_models(args):
+            check_parallel_layout(model.engine_config)
+
+
+def with_rooted_engine_file(args: dict[str, Any]) -> dict[str, Any]:
+    """`args` with its engine file (if any) named from the repository root."""
+    args = dict(args)
+    if "config" in args:
+        args["config"] = str(REPO_ROOT / args["config"])
+    return args
 
 
 @functools.cache

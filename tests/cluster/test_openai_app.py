@@ -148,7 +148,13 @@ def test_completion_shape(engine: ScriptedEngine) -> None:
         "finish_reason": "length",
         "stop_reason": None,
     }
-    assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7}
+    # prompt_tokens_details is null, as in vLLM, unless enable_prompt_tokens_details is set.
+    assert body["usage"] == {
+        "prompt_tokens": 1,
+        "completion_tokens": 6,
+        "total_tokens": 7,
+        "prompt_tokens_details": None,
+    }
 
 
 def test_stream_framing_and_usage(engine: ScriptedEngine) -> None:

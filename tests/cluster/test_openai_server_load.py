@@ -31,7 +31,11 @@ MAX_TOKENS = 12
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     folder = tmp_path_factory.mktemp("tiny-load")
     model = write_tiny_model(folder / "model")
-    args = ["--model", str(model), "--served-model-name", MODEL, "--disable-access-log", *ENGINE_FLAGS]
+    args = [
+        *("--model", str(model), "--served-model-name", MODEL, "--disable-access-log"),
+        "--enable-prompt-tokens-details",  # for the bench's prefix-cache hit rate
+        *ENGINE_FLAGS,
+    ]
     server = RemoteServer(args, folder / "server.log")
     yield server
     server.stop()
@@ -153,6 +157,32 @@ def test_bench_serve_measures_every_request(server: RemoteServer, tmp_path) -> N
             assert 0 < run[metric]["median_ms"] <= run[metric]["p99_ms"]
         assert run["ttft"]["median_ms"] < run["e2e_latency"]["median_ms"]
     assert plot_path.stat().st_size > 1000  # a PNG, drawn for more than one rate
+    server.wait_until_idle()
+
+
+def test_bench_serve_prefix_groups_reports_the_prefix_cache_hit_rate(server: RemoteServer, tmp_path) -> None:
+    result_path = tmp_path / "prefix.json"
+    # Two groups of 32-token (two-block) prefixes, 4 tokens of each prompt's own, one request at a time:
+    # the first prompt of each group misses, the 6 others hit their two prefix blocks.
+    workload = ["--dataset", "prefix-groups", "--num-groups", "2", "--prefix-len", "32", "--input-len", "4"]
+    completed = subprocess.run(
+        [
+            *(sys.executable, "-m", "cluster.cli", "bench", "serve", "--base-url", server.base_url),
+            *workload,
+            *("--num-prompts", "8", "--output-len", "2", "--max-concurrency", "1", "--seed", "7"),
+            *("--output-json", str(result_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    record = json.loads(result_path.read_text())
+    assert record["workload"]["dataset"] == "prefix-groups"
+    (run,) = record["runs"]
+    assert (run["completed"], run["failed"]) == (8, 0)
+    assert run["prefix_cache_hit_rate"] == pytest.approx(6 * 32 / (8 * 36))
+    assert "prefix-cache hit rate: 66.7% of prompt tokens" in completed.stdout
     server.wait_until_idle()
 
 

@@ -20,7 +20,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.cli import main
 from cluster.serve import proxy_mode
-from cluster.serve.args import parse_app_args
+from cluster.serve.args import parse_app_args, parse_app_models
 from cluster.serve_app import build_app, llm_server_options, required_cpus
 from engine import LLM, SamplingParams
 from tests.cluster.local_ray_cluster import local_cluster
@@ -105,8 +105,8 @@ def test_every_serve_config_file_validates(path: Path, monkeypatch: pytest.Monke
     assert schema.applications
     for app in schema.applications:
         assert app.import_path == "cluster.serve_app:build_app"
-        settings = parse_app_args(app.args)
-        assert settings.server.served_model_names
+        for settings in parse_app_models(app.args):
+            assert settings.server.served_model_names
 
 
 def test_app_args_override_the_engine_file_and_name_bad_keys() -> None:
@@ -144,12 +144,66 @@ def test_one_llm_server_deployment_is_the_ingress_unless_asked_for_a_separate_on
 
     ingress = build_app({"ingress": "separate"})._bound_deployment
     assert ingress.name == "OpenAIIngress"
-    (llm_server,) = [arg for arg in ingress.init_args if hasattr(arg, "_bound_deployment")]
+    ((llm_server, _, names),) = ingress.init_args[0]
+    assert names == ["SmolLM2-135M-Instruct"]
     assert llm_server._bound_deployment.name == "LLMServer"
     assert not hasattr(llm_server._bound_deployment.func_or_class, "__serve_build_asgi_app__")
     assert required_cpus(parse_app_args({"llm_server_cpus": 2, "ingress": "separate"})) == 3.0
     with pytest.raises(ValueError, match="ingress"):
         parse_app_args({"ingress": "both"})
+
+
+def test_autoscaling_config_goes_to_serve_checked_by_its_schema() -> None:
+    autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8}
+    settings = parse_app_args({"autoscaling_config": autoscaling, "llm_server_cpus": 2})
+    options = llm_server_options(settings)
+    assert options["autoscaling_config"] == autoscaling and "num_replicas" not in options
+    # Room for every replica it may scale to, and their ingress (a separate one, routing between them).
+    assert settings.options.ingress == "separate" and settings.options.routing_policy == "kv_aware"
+    assert required_cpus(settings) == 3 * 2.0 + 1.0
+    with pytest.raises(ValueError, match=r"autoscaling_config: unknown key.*'max_replica'"):
+        parse_app_args({"autoscaling_config": {"max_replica": 2}})
+    with pytest.raises(ValueError, match=r"max_replicas \(2\) must be greater than or equal to min_replicas"):
+        parse_app_args({"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}})
+    with pytest.raises(ValueError, match="set num_replicas or autoscaling_config, not both"):
+        parse_app_args({"autoscaling_config": autoscaling, "num_replicas": 2})
+
+
+def test_several_models_get_one_ingress_and_a_deployment_each() -> None:
+    args = {
+        "max_model_len": 256,  # every model's default
+        "api_key": "k",
+        "models": [
+            {"served_model_name": "a", "num_replicas": 2},
+            {
+                "served_model_name": ["b", "b2"],
+                "max_model_len": 128,
+                "autoscaling_config": {"max_replicas": 3},
+            },
+        ],
+    }
+    first, second = parse_app_models(args)
+    assert first.engine_config.model.max_model_len == 256 and second.engine_config.model.max_model_len == 128
+    assert first.server.api_key == second.server.api_key == "k"
+    ingress = build_app(args)._bound_deployment
+    assert ingress.name == "OpenAIIngress"
+    servers = [(handle._bound_deployment, names) for handle, _, names in ingress.init_args[0]]
+    assert [(server.name, names) for server, names in servers] == [
+        ("LLMServer:a", ["a"]),
+        ("LLMServer:b", ["b", "b2"]),
+    ]
+    assert servers[0][0]._deployment_config.num_replicas == 2
+    assert servers[1][0]._deployment_config.autoscaling_config.max_replicas == 3
+    with pytest.raises(ValueError, match=r"models\[0\]: 'api_key' are the app's keys"):
+        parse_app_models({"models": [{"api_key": "k"}]})
+    with pytest.raises(ValueError, match="'num_replicas' belong to each entry of 'models'"):
+        parse_app_models({"num_replicas": 2, "models": [{}]})
+    with pytest.raises(ValueError, match="'a' name more than one model"):
+        parse_app_models({"models": [{"served_model_name": "a"}, {"served_model_name": "a"}]})
+    with pytest.raises(ValueError, match=r"models\[1\]: .*max_num_seq"):
+        parse_app_models({"models": [{"served_model_name": "a"}, {"max_num_seq": 4}]})
+    with pytest.raises(ValueError, match="needs ingress: separate"):
+        parse_app_models({"ingress": "engine", "models": [{}]})
 
 
 def test_haproxy_mode_is_the_default_where_serve_finds_haproxy_and_a_clear_error_where_not(

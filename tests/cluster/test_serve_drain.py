@@ -38,7 +38,7 @@ def test_serve_takes_no_more_requests_than_the_engine_admits() -> None:
     # The default waiting queue, several replicas behind a separate ingress, an explicit override.
     settings = parse_app_args({"max_num_seqs": 8, "ingress": "separate", "num_replicas": 2})
     assert llm_server_options(settings)["max_ongoing_requests"] == 8 * (1 + DEFAULT_WAITING_BATCHES)
-    assert ingress_options(settings)["max_ongoing_requests"] == 2 * 8 * (1 + DEFAULT_WAITING_BATCHES)
+    assert ingress_options([settings])["max_ongoing_requests"] == 2 * 8 * (1 + DEFAULT_WAITING_BATCHES)
     assert llm_server_options(parse_app_args({"max_ongoing_requests": 7}))["max_ongoing_requests"] == 7
     unbounded = llm_server_options(parse_app_args({"max_waiting_requests": -1}))
     assert unbounded["max_ongoing_requests"] == UNBOUNDED_MAX_ONGOING_REQUESTS

@@ -7,6 +7,10 @@ part by hand: allocate, then advance the sequence's computed count.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
+from engine.block_pool import SUMMARY_HASH_BYTES, chain_block_hashes
 from engine.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, cdiv
 from tests.unit.kv_cache_helpers import (
     BS,
@@ -368,3 +372,23 @@ def test_reset_prefix_cache_only_once_no_sequence_holds_a_block():
     kv.forget(seq)
     assert kv.reset_prefix_cache() is True
     assert kv.get_computed_blocks(make_seq("c", range(9))) == ([], 0)
+
+
+def test_the_prefix_cache_summary_holds_the_chain_hashes_a_router_computes() -> None:
+    """A Serve router hashes a prompt with `chain_block_hashes` and looks for the first 8 bytes of
+    each hash in a replica's summary; both must agree with blake2b over (parent hash, the block's
+    int64 token ids), computed here on its own."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # two full blocks and a partial one
+    seq = make_seq("r", prompt)
+    admit(kv, seq)
+    kv.free(seq)
+    parent = b"\0" * 16
+    expected = []
+    for start in (0, 4):
+        parent = hashlib.blake2b(
+            parent + array("q", prompt[start : start + 4]).tobytes(), digest_size=16
+        ).digest()
+        expected.append(parent)
+    assert chain_block_hashes(prompt, BS) == expected
+    assert kv.prefix_cache_summary() == b"".join(block_hash[:SUMMARY_HASH_BYTES] for block_hash in expected)

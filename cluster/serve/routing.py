@@ -1,0 +1,246 @@
+"""Request routers for the LLMServer replicas of a separate ingress (Ray Serve's request-router API,
+set by the deployment's `request_router_config`), chosen by the Serve key `routing_policy`:
+
+- `kv_aware`: each replica reports in its routing stats (`routing_stats`) what its prefix cache
+  holds (the chain hashes of its cached blocks, shortened) and its load; the router hashes the
+  prompt's token ids into the same chained block hashes (`engine.block_pool.chain_block_hashes`) and
+  sends the request to the replica holding the longest prefix of them, unless that replica's load
+  exceeds the least-loaded one's by more than `load_margin` requests; a request with no hit goes to
+  the least loaded. Between two reports, the prompts routed to a replica count as held by it.
+- `prefix_text`: Ray Serve LLM's approach (its PrefixCacheAffinityRouter), for comparison: the
+  router remembers the text it has sent each replica and routes a prompt to the replica that has seen
+  the longest prefix of it, by the same rule; it never learns what a replica evicted.
+- `pow2`: Serve's default power-of-two-choices router (no request_router_config).
+
+The prompt reaches the router as the first argument of `LLMServer.generate`: the ingress passes
+`{"prompt": text, "prompt_token_ids": ids}`, tokenized before routing.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Collection, Container, Mapping, Sequence
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from engine.block_pool import SUMMARY_HASH_BYTES, chain_block_hashes, hash_block_tokens
+
+KV_AWARE, PREFIX_TEXT, POW2 = "kv_aware", "prefix_text", "pow2"
+ROUTING_POLICIES = (KV_AWARE, PREFIX_TEXT, POW2)
+# Characters per hashed chunk of a prompt's text (prefix_text): about a KV block's worth of tokens.
+TEXT_CHUNK_CHARS = 64
+# Most text chunks prefix_text remembers per replica (the oldest go first).
+MAX_REMEMBERED_CHUNKS = 100_000
+# Requests by which the replica holding a prompt's prefix may be busier than the least-loaded one
+# and still get the prompt.
+DEFAULT_LOAD_MARGIN = 8.0
+
+
+def routing_stats(summary: bytes, stats: Mapping[str, Any]) -> dict[str, Any]:
+    """What a replica reports to the kv_aware router: its prefix cache's block hashes
+    (`BlockPool.cached_hash_summary`) and its load (the scheduler's counters)."""
+    return {
+        "cached_blocks": summary,
+        "running": stats.get("num_running_reqs", 0),
+        "waiting": stats.get("num_waiting_reqs", 0),
+        "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+    }
+
+
+def routed_prompt(pending_request: PendingRequest | None) -> Mapping[str, Any] | None:
+    """The prompt of a call to LLMServer.generate (its first argument), None for any other call."""
+    if pending_request is None or not pending_request.args:
+        return None
+    prompt = pending_request.args[0]
+    return prompt if isinstance(prompt, Mapping) else None
+
+
+def prefix_hits(keys: Sequence[bytes], held: Container[bytes]) -> int:
+    """How many of the chained `keys` (a prompt's blocks, in order) `held` has, from the first on."""
+    for index, key in enumerate(keys):
+        if key not in held:
+            return index
+    return len(keys)
+
+
+def choose_by_prefix(
+    hits: Mapping[ReplicaID, int],
+    loads: Mapping[ReplicaID, float],
+    margin: float,
+    occupancy: Mapping[ReplicaID, int] | None = None,
+) -> ReplicaID:
+    """The replica with the longest prefix hit, unless its load exceeds the least loaded one's by
+    more than `margin`; otherwise (nothing hits, or the best is too busy) the least loaded, where
+    every replica within `margin` of the lowest load counts as least loaded and the one whose cache
+    holds least (`occupancy`) among them wins, so that new prefixes spread over the caches rather
+    than follow a request that has only just finished. Remaining ties are broken at random."""
+    replicas = list(hits)
+    random.shuffle(replicas)
+    lowest = min(loads[replica] for replica in replicas)
+    best = max(replicas, key=lambda replica: (hits[replica], -loads[replica]))
+    if hits[best] > 0 and loads[best] - lowest <= margin:
+        return best
+    idle_enough = [replica for replica in replicas if loads[replica] - lowest <= margin]
+    return min(idle_enough, key=lambda replica: ((occupancy or {}).get(replica, 0), loads[replica]))
+
+
+class _RecentKeys:
+    """Keys routed to one replica, each kept for `memory_s` seconds (0: for ever, up to a cap)."""
+
+    def __init__(self, memory_s: float) -> None:
+        self._memory_s = memory_s
+        self._routed_at: dict[bytes, float] = {}
+
+    def add(self, keys: Sequence[bytes]) -> None:
+        now = time.monotonic()
+        for key in keys:
+            self._routed_at.pop(key, None)  # re-inserted: the dict's order is the routing order
+            self._routed_at[key] = now
+        while len(self._routed_at) > MAX_REMEMBERED_CHUNKS:
+            del self._routed_at[next(iter(self._routed_at))]
+
+    def __len__(self) -> int:
+        return len(self._routed_at)
+
+    def __contains__(self, key: object) -> bool:
+        routed_at = self._routed_at.get(key)  # type: ignore[call-overload]
+        return routed_at is not None and (not self._memory_s or time.monotonic() - routed_at < self._memory_s)
+
+
+class _HeldBy:
+    """A replica's reported cache plus what was routed to it since: the keys it is taken to hold."""
+
+    def __init__(self, reported: Container[bytes], routed: _RecentKeys) -> None:
+        self._reported, self._routed = reported, routed
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._reported or key in self._routed
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Routes a request to the replica holding the longest prefix of its prompt (see the module's
+    docstring); subclasses say how a prompt becomes chained keys and what a replica holds.
+
+    Not FIFO (Serve's FIFOMixin): a replica chosen for one prompt must serve that prompt, not the
+    oldest request waiting. A replica's load is the requests this router has in flight on it (Serve
+    tells it of every send and completion); its queue-length cache only refreshes on probes."""
+
+    # Seconds a routed prompt's keys count as held by its replica; 0: for ever.
+    routed_memory_s = 0.0
+
+    def initialize_state(self, load_margin: float = DEFAULT_LOAD_MARGIN, block_size: int = 16) -> None:
+        """Serve passes the deployment's request_router_kwargs: the load margin, and the replicas'
+        KV block size (their engines' config)."""
+        self._load_margin = load_margin
+        self._block_size = block_size
+        self._routed: dict[ReplicaID, _RecentKeys] = {}
+        self._in_flight: dict[ReplicaID, int] = {}
+
+    def prompt_keys(self, prompt: Mapping[str, Any]) -> list[bytes]:
+        """The prompt as chained keys: equal keys at index i mean equal prompts up to chunk i."""
+        raise NotImplementedError
+
+    def reported(self, replica: RunningReplica) -> Collection[bytes]:
+        """What the replica itself says it holds (nothing, unless it reports)."""
+        return ()
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_load = sorted(candidate_replicas, key=self._load)
+        prompt = routed_prompt(pending_request)
+        if len(candidate_replicas) == 1 or prompt is None:
+            return [by_load]
+        keys = self.prompt_keys(prompt)
+        hits = {
+            replica.replica_id: prefix_hits(
+                keys, _HeldBy(self.reported(replica), self._recent(replica.replica_id))
+            )
+            for replica in candidate_replicas
+        }
+        loads = {replica.replica_id: self._load(replica) for replica in candidate_replicas}
+        occupancy = {
+            replica.replica_id: len(self.reported(replica)) + len(self._recent(replica.replica_id))
+            for replica in candidate_replicas
+        }
+        chosen = choose_by_prefix(hits, loads, self._load_margin, occupancy)
+        # Its blocks will be there once prefilled, before the replica's next report says so. (Serve's
+        # on_request_routed hook only fires with strict max_ongoing_requests.)
+        self._recent(chosen).add(keys)
+        # The chosen replica first; should it be full, Serve tries the others, least loaded first.
+        return [[self._replicas[chosen]], [r for r in by_load if r.replica_id != chosen]]
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._in_flight.get(replica_id, 0) > 0:
+            self._in_flight[replica_id] -= 1
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        current = {replica.replica_id for replica in replicas}
+        for state in (self._routed, self._in_flight):
+            for replica_id in set(state) - current:
+                del state[replica_id]
+
+    def _recent(self, replica_id: ReplicaID) -> _RecentKeys:
+        if replica_id not in self._routed:
+            self._routed[replica_id] = _RecentKeys(self.routed_memory_s)
+        return self._routed[replica_id]
+
+    def _load(self, replica: RunningReplica) -> float:
+        """Requests on the replica: those in flight from here, plus those it last reported waiting
+        (queued for want of KV blocks or batch slots, which requests from other ingress replicas
+        cause too). Its reported running count is not added: up to a report period old, it would
+        make a replica that has just finished a request look busy."""
+        waiting = (replica.routing_stats or {}).get("waiting", 0)
+        return self._in_flight.get(replica.replica_id, 0) + waiting
+
+
+class KVAwareRouter(PrefixAffinityRouter):
+    """kv_aware: the replicas' reported prefix caches, matched by the engine's own chained block hashes."""
+
+    # Long enough for a routed prompt to be prefilled and reported back (stats every second or so).
+    routed_memory_s = 10.0
+
+    def initialize_state(self, load_margin: float = DEFAULT_LOAD_MARGIN, block_size: int = 16) -> None:
+        super().initialize_state(load_margin, block_size)
+        # The last report decoded, per replica: (the report's bytes, their set of hashes).
+        self._decoded: dict[ReplicaID, tuple[bytes, frozenset[bytes]]] = {}
+
+    def prompt_keys(self, prompt: Mapping[str, Any]) -> list[bytes]:
+        token_ids = prompt.get("prompt_token_ids") or ()
+        hashes = chain_block_hashes(token_ids, self._block_size)
+        return [block_hash[:SUMMARY_HASH_BYTES] for block_hash in hashes]
+
+    def reported(self, replica: RunningReplica) -> Collection[bytes]:
+        summary = (replica.routing_stats or {}).get("cached_blocks", b"")
+        decoded = self._decoded.get(replica.replica_id)
+        if decoded is None or decoded[0] is not summary:
+            step = SUMMARY_HASH_BYTES
+            decoded = (summary, frozenset(summary[i : i + step] for i in range(0, len(summary), step)))
+            self._decoded[replica.replica_id] = decoded
+        return decoded[1]
+
+
+class PrefixTextRouter(PrefixAffinityRouter):
+    """prefix_text: the text each replica has been sent, in chained chunks (Ray Serve LLM's idea)."""
+
+    def prompt_keys(self, prompt: Mapping[str, Any]) -> list[bytes]:
+        text = prompt.get("prompt")
+        if not text:  # token ids only: their decimal text stands in
+            text = " ".join(map(str, prompt.get("prompt_token_ids") or ()))
+        keys: list[bytes] = []
+        for start in range(0, len(text) - TEXT_CHUNK_CHARS + 1, TEXT_CHUNK_CHARS):
+            chunk = text[start : start + TEXT_CHUNK_CHARS].encode()
+            keys.append(hash_block_tokens(keys[-1] if keys else None, (), chunk))
+        return keys
+
+
+ROUTER_CLASSES = {KV_AWARE: KVAwareRouter, PREFIX_TEXT: PrefixTextRouter}

@@ -1,0 +1,103 @@
+"""KV-cache-aware routing between two LLMServer replicas behind the separate ingress, on this
+module's local Ray cluster: a workload of many shared prefixes, interleaved, whose prefixes fill more
+than one replica's KV cache but less than both, where `kv_aware` must reach at least 1.5x the
+prefix-cache hit rate of Serve's `pow2` (measured by the server's own usage.prompt_tokens_details);
+`prefix_text` runs beside them. Plus the routing rule itself, without a cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from ray import serve
+
+from cluster.bench.serve import make_prefix_group_prompts
+from cluster.serve.routing import choose_by_prefix, prefix_hits
+from cluster.serve_app import build_app
+from tests.cluster.local_ray_cluster import local_cluster
+from tests.cluster.remote_server import free_port
+from tests.model.tiny_models import write_tiny_model
+
+APP = "raypage"
+BLOCK_SIZE = 16
+# 64 blocks per replica; each request holds its prefix's 6 blocks and one more (suffix and output).
+ENGINE = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64, "block_size": BLOCK_SIZE}
+GROUPS, REQUESTS_PER_GROUP = 14, 8
+PREFIX_TOKENS, SUFFIX_TOKENS, MAX_TOKENS = 6 * BLOCK_SIZE, 8, 8
+# One round of the 14 groups needs 14 x 7 = 98 blocks: more than one replica's 64, less than both's
+# 128. Split by group (7 each: 49 blocks), every replica keeps its groups' prefixes until they come
+# back; spread at random, a prefix comes back to a replica that has seen the other 13 since.
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "model")
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    with local_cluster(num_cpus=3, object_store_memory=100 * 1024 * 1024, include_dashboard=False):
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+
+
+def hit_rate(base_url: str, model: Path, policy: str) -> float:
+    """The share of prompt tokens the replicas' prefix caches held, on a fresh two-replica app."""
+    args = {
+        "model": str(model),
+        **ENGINE,
+        "served_model_name": "m",
+        "num_replicas": 2,
+        "routing_policy": policy,
+        "ingress_cpus": 0.5,
+        "enable_prompt_tokens_details": True,
+        "log_stats_interval": 0,
+    }
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    try:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        prompt_tokens = cached_tokens = 0
+        # `raypage bench serve --dataset prefix-groups`'s prompts: GROUPS prefixes, round robin.
+        workload = make_prefix_group_prompts(
+            GROUPS * REQUESTS_PER_GROUP, GROUPS, PREFIX_TOKENS, SUFFIX_TOKENS, 0
+        )
+        for prompt in workload:
+            usage = client.completions.create(
+                model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+            ).usage
+            prompt_tokens += usage.prompt_tokens
+            cached_tokens += usage.prompt_tokens_details.cached_tokens
+        return cached_tokens / prompt_tokens
+    finally:
+        serve.delete(APP)
+
+
+def test_kv_aware_routing_hits_the_prefix_cache_more_than_pow2(base_url: str, model: Path) -> None:
+    rates = {policy: hit_rate(base_url, model, policy) for policy in ("kv_aware", "pow2", "prefix_text")}
+    print("prefix-cache hit rates:", rates)
+    # Every request after its group's first could hit: at most 7/8 of 96/104 of the prompt tokens.
+    assert rates["kv_aware"] > 0.5
+    assert rates["kv_aware"] >= 1.5 * rates["pow2"], rates
+
+
+def test_the_longest_prefix_wins_unless_its_replica_is_too_busy() -> None:
+    keys = [b"a", b"b", b"c"]
+    assert prefix_hits(keys, {b"a", b"b"}) == 2
+    assert prefix_hits(keys, {b"b", b"c"}) == 0  # a chain: nothing past the first miss counts
+    hits, loads = {"x": 2, "y": 0}, {"x": 3.0, "y": 0.0}
+    assert choose_by_prefix(hits, loads, margin=3) == "x"
+    assert choose_by_prefix(hits, loads, margin=2) == "y"  # x is 3 requests busier: over the margin
+    # No hit: the least loaded, or within the margin of it the emptier cache.
+    assert (
+        choose_by_prefix({"x": 0, "y": 0}, {"x": 9.0, "y": 0.0}, margin=8, occupancy={"x": 0, "y": 50}) == "y"
+    )
+    assert (
+        choose_by_prefix({"x": 0, "y": 0}, {"x": 1.0, "y": 0.0}, margin=8, occupancy={"x": 0, "y": 50}) == "x"
+    )
+    assert choose_by_prefix({"x": 0, "y": 0}, {"x": 1.0, "y": 0.0}, margin=8) == "y"
