@@ -1,7 +1,7 @@
 """The Triton backend (kernels/attention/triton_*.py, kernels/triton_cache.py) against the reference
 backend and a direct index_put, and a tiny Llama through it against transformers.
 
-Without CUDA the kernels run in Triton's interpreter (tests/kernels/conftest.py sets
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1); with CUDA the same tests run them on the GPU. Shapes stay small: the
 interpreter runs every program of a launch in numpy, one after the other.
 """
