@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=20
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow"
