@@ -24,7 +24,7 @@ from ray import serve
 
 from cluster.openai.api_server import add_server_args
 from cluster.serve.args import parse_app_args
-from cluster.serve.local_cluster import DEFAULT_CLUSTER_NICENESS, lower_cluster_priority
+from cluster.serve.local_cluster import DEFAULT_CLUSTER_NICENESS, set_cluster_priorities
 from cluster.serve.proxy_mode import PROXY_MODES, default_proxy_mode, proxy_env
 from cluster.serve_app import build_app, required_cpus
 from engine.executor.ray_utils import LOCAL_OBJECT_STORE_BYTES
@@ -173,8 +173,9 @@ def run_serve(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/")
         if not args.address:
-            lower_cluster_priority(
+            set_cluster_priorities(
                 DEFAULT_CLUSTER_NICENESS if args.cluster_niceness is None else args.cluster_niceness,
+                args.replica_niceness,
                 local_proxy_mode(args),
             )
         logger.info("serving on http://%s:%d until SIGINT or SIGTERM", args.host, args.port)

@@ -354,6 +354,15 @@ def serve_on_its_own_cluster(flags: list[str], tiny_model: Path, log_path: Path)
     )
 
 
+def wait_for_log(server: RemoteServer, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in server.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, (
+            f"{text!r} not in the log after {timeout_s} s:\n{server.log_tail()}"
+        )
+        time.sleep(0.5)
+
+
 def thread_niceness(process: psutil.Process) -> set[int]:
     """The niceness of each thread of `process` (niceness is per thread on Linux)."""
     found = set()
@@ -400,12 +409,13 @@ def test_serve_behind_haproxy_on_its_own_cluster(
             p for p in psutil.Process(server.process.pid).children(recursive=True) if p.name() == "haproxy"
         ]
         assert len(haproxy) == 1
-        # The replica and its engine core run at the niceness asked for (0, the default), not Ray's 15;
-        # HAProxy at Ray's; the cluster's own processes, every thread of them, at --cluster-niceness's 19.
+        # The replica, its engine core and HAProxy run at the niceness asked for (0, the default), not
+        # Ray's 15; the cluster's own processes, every thread of them, at --cluster-niceness's 19: set
+        # once the app is up, which /health can show before `raypage serve` logs that it serves.
+        wait_for_log(server, "serving on http://", timeout_s=30)
         (replica,) = serve_processes(server, "ray::ServeReplica:raypage:LLMServer")
         (core,) = [p for p in replica.children() if "spawn_main" in " ".join(p.cmdline())]
-        assert thread_niceness(replica) == thread_niceness(core) == {0}
-        assert thread_niceness(haproxy[0]) == {15}
+        assert thread_niceness(replica) == thread_niceness(core) == thread_niceness(haproxy[0]) == {0}
         own = [psutil.Process(server.process.pid)] + [
             p
             for p in psutil.Process(server.process.pid).children(recursive=True)
