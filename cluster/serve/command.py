@@ -1,11 +1,13 @@
 """`raypage serve`: the Serve application on a Ray cluster, until SIGINT or SIGTERM.
 
 raypage serve [--config FILE] [--address HOST:PORT] [--host 127.0.0.1] [--port 8000] [--api-key K]
-              [--proxy-mode {python,haproxy}] [--ingress {engine,separate}] [engine flags]
+              [--proxy-mode {python,haproxy}] [--cluster-niceness N] [--ingress {engine,separate}]
+              [engine flags]
 
 Joins the cluster at --address, or starts a local one (its CPUs: the machine's, or as many as the app
 reserves if that is more, since logical CPUs only count reservations), with the --proxy-mode in front
-of the replicas (`cluster.serve.proxy_mode`), which listens on host:port. On a signal Serve is shut
+of the replicas (`cluster.serve.proxy_mode`), which listens on host:port; once the app is up, the
+local cluster's own processes yield the CPU to the engine (`cluster.serve.local_cluster`). On a signal Serve is shut
 down, after the app's replicas have drained their requests in flight (for up to --drain-timeout-s),
 and so is the local cluster when this command started it.
 """
@@ -65,8 +67,9 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
         "--replica-niceness",
         type=int,
         default=0,
-        help="niceness of each LLMServer replica and its engine core, so that Serve's own processes "
-        "(started at 15 by Ray) yield the CPU to them; needs CAP_SYS_NICE below 15 (default: 0)",
+        help="niceness of each LLMServer replica and its engine core, and on a local cluster of the HTTP "
+        "proxy, so that Serve's own processes (started at 15 by Ray) yield the CPU to them; needs "
+        "CAP_SYS_NICE below 15 (default: 0)",
     )
     group.add_argument(
         "--cluster-niceness",

@@ -354,6 +354,21 @@ def serve_on_its_own_cluster(flags: list[str], tiny_model: Path, log_path: Path)
     )
 
 
+def one_haproxy(server: RemoteServer, timeout_s: float = 10.0) -> psutil.Process:
+    """The server's one HAProxy process; a reload may leave the previous one a moment longer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = []
+        for process in psutil.Process(server.process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if process.name() == "haproxy" and process.status() != psutil.STATUS_ZOMBIE:
+                    running.append(process)
+        if len(running) == 1 or time.monotonic() > deadline:
+            assert len(running) == 1, running
+            return running[0]
+        time.sleep(0.5)
+
+
 def wait_for_log(server: RemoteServer, text: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while text not in server.log_path.read_text(errors="replace"):
@@ -405,17 +420,14 @@ def test_serve_behind_haproxy_on_its_own_cluster(
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert_a_closed_stream_aborts(server.base_url, client)
-        haproxy = [
-            p for p in psutil.Process(server.process.pid).children(recursive=True) if p.name() == "haproxy"
-        ]
-        assert len(haproxy) == 1
         # The replica, its engine core and HAProxy run at the niceness asked for (0, the default), not
         # Ray's 15; the cluster's own processes, every thread of them, at --cluster-niceness's 19: set
         # once the app is up, which /health can show before `raypage serve` logs that it serves.
         wait_for_log(server, "serving on http://", timeout_s=30)
+        haproxy = one_haproxy(server)
         (replica,) = serve_processes(server, "ray::ServeReplica:raypage:LLMServer")
         (core,) = [p for p in replica.children() if "spawn_main" in " ".join(p.cmdline())]
-        assert thread_niceness(replica) == thread_niceness(core) == thread_niceness(haproxy[0]) == {0}
+        assert thread_niceness(replica) == thread_niceness(core) == thread_niceness(haproxy) == {0}
         own = [psutil.Process(server.process.pid)] + [
             p
             for p in psutil.Process(server.process.pid).children(recursive=True)
