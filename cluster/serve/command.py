@@ -7,9 +7,9 @@ raypage serve [--config FILE] [--address HOST:PORT] [--host 127.0.0.1] [--port 8
 Joins the cluster at --address, or starts a local one (its CPUs: the machine's, or as many as the app
 reserves if that is more, since logical CPUs only count reservations), with the --proxy-mode in front
 of the replicas (`cluster.serve.proxy_mode`), which listens on host:port; once the app is up, the
-local cluster's own processes yield the CPU to the engine (`cluster.serve.local_cluster`). On a signal Serve is shut
-down, after the app's replicas have drained their requests in flight (for up to --drain-timeout-s),
-and so is the local cluster when this command started it.
+local cluster's own processes yield the CPU to the engine (`cluster.serve.local_cluster`). On a
+signal Serve is shut down, after the app's replicas have drained their requests in flight (for up
+to --drain-timeout-s), and so is the local cluster when this command started it.
 """
 
 from __future__ import annotations

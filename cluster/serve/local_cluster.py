@@ -18,11 +18,10 @@ a replica Serve starts later comes from the raylet at 19 and sets its own `repli
 from __future__ import annotations
 
 import logging
-import os
 
 import psutil
 
-from cluster.serve.niceness import process_threads, renice_process
+from cluster.serve.niceness import raise_niceness, renice_process
 from cluster.serve.proxy_mode import HAPROXY
 from engine.executor.ray_distributed import RayWorker
 
@@ -75,16 +74,6 @@ def cluster_processes(proxy_mode: str) -> tuple[list[psutil.Process], list[psuti
         except psutil.NoSuchProcess:
             pass
     return proxies, own
-
-
-def raise_niceness(pid: int, niceness: int) -> None:
-    """Raise each thread of process `pid` to at least `niceness` (one already above keeps its own)."""
-    for tid in process_threads(pid):
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
-                os.setpriority(os.PRIO_PROCESS, tid, niceness)
-        except ProcessLookupError:  # a thread or process that has just ended
-            pass
 
 
 def set_cluster_priorities(cluster_niceness: int, proxy_niceness: int | None, proxy_mode: str) -> None:

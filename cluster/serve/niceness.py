@@ -37,6 +37,16 @@ def renice_process(pid: int, niceness: int) -> bool:
     return True
 
 
+def raise_niceness(pid: int, niceness: int) -> None:
+    """Raise each thread of process `pid` to at least `niceness` (one already above keeps its own)."""
+    for tid in process_threads(pid):
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except ProcessLookupError:  # a thread or process that has just ended
+            pass
+
+
 def set_niceness(niceness: int) -> None:
     """Run this process's threads (and what they start from now on) at `niceness`; without the
     permission to, keep the current one and say so."""

@@ -1,4 +1,4 @@
-"""Raising a live process's niceness thread by thread (`cluster.serve.local_cluster.raise_niceness`),
+"""Raising a live process's niceness thread by thread (`cluster.serve.niceness.raise_niceness`),
 on a real child process with threads of its own."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from cluster.serve.local_cluster import raise_niceness
-from cluster.serve.niceness import process_threads
+from cluster.serve.niceness import process_threads, raise_niceness
 
 # Three threads besides the main one, then a line on stdout, then it waits for stdin to close.
 CHILD = """
