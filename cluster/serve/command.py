@@ -1,13 +1,15 @@
 """`raypage serve`: the Serve application on a Ray cluster, until SIGINT or SIGTERM.
 
 raypage serve [--config FILE] [--address HOST:PORT] [--host 127.0.0.1] [--port 8000] [--api-key K]
-              [--proxy-mode {python,haproxy}] [--ingress {engine,separate}] [engine flags]
+              [--proxy-mode {python,haproxy}] [--cluster-niceness N] [--ingress {engine,separate}]
+              [engine flags]
 
 Joins the cluster at --address, or starts a local one (its CPUs: the machine's, or as many as the app
 reserves if that is more, since logical CPUs only count reservations), with the --proxy-mode in front
-of the replicas (`cluster.serve.proxy_mode`), which listens on host:port. On a signal Serve is shut
-down, after the app's replicas have drained their requests in flight (for up to --drain-timeout-s),
-and so is the local cluster when this command started it.
+of the replicas (`cluster.serve.proxy_mode`), which listens on host:port; once the app is up, the
+local cluster's own processes yield the CPU to the engine (`cluster.serve.local_cluster`). On a
+signal Serve is shut down, after the app's replicas have drained their requests in flight (for up
+to --drain-timeout-s), and so is the local cluster when this command started it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ray import serve
 
 from cluster.openai.api_server import add_server_args
 from cluster.serve.args import parse_app_args
+from cluster.serve.local_cluster import DEFAULT_CLUSTER_NICENESS, set_cluster_priorities
 from cluster.serve.proxy_mode import PROXY_MODES, default_proxy_mode, proxy_env
 from cluster.serve.routing import ROUTING_POLICIES
 from cluster.serve_app import build_app, required_cpus
@@ -66,8 +69,19 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
         "--replica-niceness",
         type=int,
         default=0,
-        help="niceness of each LLMServer replica and its engine core, so that Serve's own processes "
-        "(started at 15 by Ray) yield the CPU to them; needs CAP_SYS_NICE below 15 (default: 0)",
+        help="niceness of each LLMServer replica and its engine core, and on a local cluster of the HTTP "
+        "proxy, so that Serve's own processes (started at 15 by Ray) yield the CPU to them; needs "
+        "CAP_SYS_NICE below 15 (default: 0)",
+    )
+    group.add_argument(
+        "--cluster-niceness",
+        type=int,
+        choices=range(20),
+        metavar="{0..19}",
+        help="niceness at least this for the processes of a local cluster but the replicas, their "
+        "engines and the HTTP proxy (Ray's GCS, raylet, agents, monitors; Serve's controller), so "
+        "that they take the cores the engine leaves idle; 0 keeps Ray's (default: "
+        f"{DEFAULT_CLUSTER_NICENESS}; a joined cluster keeps its own)",
     )
     group.add_argument("--num-replicas", type=int, help="LLMServer replicas (default: 1)")
     group.add_argument(
@@ -153,15 +167,25 @@ def check_args(args: argparse.Namespace) -> None:
 
 def cluster_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment the local cluster starts with for --proxy-mode; ValueError when that mode
-    cannot run here or cannot be chosen (a joined cluster's is its own)."""
+    cannot run here or a flag for a local cluster comes with --address (a joined cluster's
+    settings are its own)."""
     if args.address:
         if args.proxy_mode:
             raise ValueError(
                 "--proxy-mode applies to a cluster this command starts; a joined cluster keeps its own "
                 "(set RAY_SERVE_ENABLE_HA_PROXY=1 or RAY_SERVE_ENABLE_DIRECT_INGRESS=1 on `ray start`)"
             )
+        if args.cluster_niceness is not None:
+            raise ValueError(
+                "--cluster-niceness applies to a cluster this command starts; a joined cluster's "
+                "processes run at the niceness they were started with"
+            )
         return {}
-    return proxy_env(args.proxy_mode or default_proxy_mode())
+    return proxy_env(local_proxy_mode(args))
+
+
+def local_proxy_mode(args: argparse.Namespace) -> str:
+    return args.proxy_mode or default_proxy_mode()
 
 
 def run_serve(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None:
@@ -178,6 +202,12 @@ def run_serve(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None
         signal.signal(signal.SIGINT, signal.default_int_handler)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/")
+        if not args.address:
+            set_cluster_priorities(
+                DEFAULT_CLUSTER_NICENESS if args.cluster_niceness is None else args.cluster_niceness,
+                args.replica_niceness,
+                local_proxy_mode(args),
+            )
         logger.info("serving on http://%s:%d until SIGINT or SIGTERM", args.host, args.port)
         threading.Event().wait()
     except KeyboardInterrupt:

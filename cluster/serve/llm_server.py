@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypedDict
@@ -26,6 +24,7 @@ from ray import serve
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, log_stats_periodically
+from cluster.serve.niceness import set_niceness
 from cluster.serve.routing import routing_stats
 from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
@@ -33,8 +32,6 @@ from engine.config_resolve import resolve_engine_config
 from engine.input_processor import PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 class EngineState(TypedDict):
@@ -59,7 +56,9 @@ class EngineReplica:
         self._settings = settings
         self._stream_batch_interval_s = stream_batch_interval_s
         if niceness is not None:
-            set_niceness(niceness)  # before the engine starts: its core process inherits it
+            # Ray starts its workers at 15, like Serve's controller and proxies, which on a small
+            # machine then take the engine's CPU. Before the engine starts: its core inherits it.
+            set_niceness(niceness)
         # Resolved here, once (the engine takes it as it is): the token-count histograms are bucketed
         # up to max_model_len.
         config = resolve_engine_config(EngineConfig.from_flat(**engine_settings))
@@ -129,28 +128,6 @@ class OpenAIEngineReplica(EngineReplica):
         # Serve calls this on the replica's event loop once the constructor has run. The throughput
         # log task is the constructor's, so the app gets no `log_stats` of its own.
         return build_app(self.engine, self._settings, prometheus=self._prometheus)
-
-
-def set_niceness(niceness: int) -> None:
-    """Run this process's threads (and what they start from now on, the engine core among them) at
-    `niceness`: Ray starts its workers at 15, the same as Serve's controller and proxy, which on a
-    small machine then take the engine's CPU. Niceness is per thread on Linux, and Serve runs the
-    replica's code on a thread of its own. Lowering it needs CAP_SYS_NICE; without it the replica
-    keeps Ray's and says so."""
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:  # not Linux: the process's
-        threads = [0]
-    try:
-        for thread in threads:
-            os.setpriority(os.PRIO_PROCESS, thread, niceness)
-    except PermissionError:
-        current = os.getpriority(os.PRIO_PROCESS, 0)
-        logger.warning(
-            "cannot set the replica's niceness to %d (no CAP_SYS_NICE); keeping %d", niceness, current
-        )
-    except ProcessLookupError:  # a thread that has just ended
-        pass
 
 
 class RoutedEngineReplica(EngineReplica):

@@ -5,6 +5,8 @@ local cluster of its own behind HAProxy; the args parser on every Serve config f
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,6 +227,17 @@ def test_haproxy_mode_is_the_default_where_serve_finds_haproxy_and_a_clear_error
     assert "a joined cluster keeps its own" in capsys.readouterr().err
 
 
+def test_cluster_niceness_is_for_a_local_cluster_and_from_0_to_19(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--cluster-niceness", "20"])
+    assert exited.value.code == 2
+    assert "argument --cluster-niceness: invalid choice: 20" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--address", "127.0.0.1:6379", "--cluster-niceness", "19"])
+    assert exited.value.code == 2
+    assert "--cluster-niceness applies to a cluster this command starts" in capsys.readouterr().err
+
+
 def test_serve_rejects_a_bad_flag_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--health-check-period-s", "0"])
@@ -395,6 +408,39 @@ def serve_on_its_own_cluster(flags: list[str], tiny_model: Path, log_path: Path)
     )
 
 
+def one_haproxy(server: RemoteServer, timeout_s: float = 10.0) -> psutil.Process:
+    """The server's one HAProxy process; a reload may leave the previous one a moment longer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = []
+        for process in psutil.Process(server.process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if process.name() == "haproxy" and process.status() != psutil.STATUS_ZOMBIE:
+                    running.append(process)
+        if len(running) == 1 or time.monotonic() > deadline:
+            assert len(running) == 1, running
+            return running[0]
+        time.sleep(0.5)
+
+
+def wait_for_log(server: RemoteServer, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in server.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, (
+            f"{text!r} not in the log after {timeout_s} s:\n{server.log_tail()}"
+        )
+        time.sleep(0.5)
+
+
+def thread_niceness(process: psutil.Process) -> set[int]:
+    """The niceness of each thread of `process` (niceness is per thread on Linux)."""
+    found = set()
+    for thread in process.threads():
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            found.add(os.getpriority(os.PRIO_PROCESS, thread.id))
+    return found
+
+
 def serve_processes(server: RemoteServer, title: str) -> list[psutil.Process]:
     """The processes of the server's own cluster whose title starts with `title`."""
     return processes_titled(title, psutil.Process(server.process.pid))
@@ -428,13 +474,21 @@ def test_serve_behind_haproxy_on_its_own_cluster(
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert_a_closed_stream_aborts(server.base_url, client)
-        haproxy = [
-            p for p in psutil.Process(server.process.pid).children(recursive=True) if p.name() == "haproxy"
-        ]
-        assert len(haproxy) == 1
-        # The replica and its engine core run at the niceness asked for (0, the default), not Ray's 15.
+        # The replica, its engine core and HAProxy run at the niceness asked for (0, the default), not
+        # Ray's 15; the cluster's own processes, every thread of them, at --cluster-niceness's 19: set
+        # once the app is up, which /health can show before `raypage serve` logs that it serves.
+        wait_for_log(server, "serving on http://", timeout_s=30)
+        haproxy = one_haproxy(server)
         (replica,) = serve_processes(server, "ray::ServeReplica:raypage:LLMServer")
         (core,) = [p for p in replica.children() if "spawn_main" in " ".join(p.cmdline())]
-        assert core.nice() == 0
+        assert thread_niceness(replica) == thread_niceness(core) == thread_niceness(haproxy) == {0}
+        own = [psutil.Process(server.process.pid)] + [
+            p
+            for p in psutil.Process(server.process.pid).children(recursive=True)
+            if p.name() in ("gcs_server", "raylet")
+            or " ".join(p.cmdline()).startswith("ray::ServeController")
+        ]
+        assert len(own) == 4
+        assert all(thread_niceness(p) == {19} for p in own)
     finally:
         assert server.stop() == 0, server.log_tail()
