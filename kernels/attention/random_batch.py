@@ -52,23 +52,35 @@ def random_paged_batch(
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device, dtype)
 
-    starts = [0]
-    for _, query_len in specs:
-        starts.append(starts[-1] + query_len)
-    seq_lens = [context + query_len for context, query_len in specs]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device),
-        block_table=table.to(device),
-        seq_lens=torch.tensor(seq_lens, device=device),
-        query_start_loc=starts,
-        seq_lens_list=seq_lens,
-        num_decodes=next((i for i, (_, q) in enumerate(specs) if q != 1), len(specs)),
-        block_size=block_size,
-    )
+    meta = specs_metadata(specs, table, slots, block_size, device)
     return PagedBatch(
         randn(num_tokens, heads, head_dim),
         randn(num_tokens, kv_heads, head_dim),
         randn(num_tokens, kv_heads, head_dim),
         randn(2, kv_heads, num_blocks, block_size, head_dim),
         meta,
+    )
+
+
+def specs_metadata(
+    specs: list[tuple[int, int]],
+    block_table: torch.Tensor,
+    slots: list[int],
+    block_size: int,
+    device: torch.device | str,
+) -> AttentionMetadata:
+    """The metadata of a batch given as (context, query_len) per sequence, decodes first: the leading
+    run of single-token sequences is the decode batch."""
+    starts = [0]
+    for _, query_len in specs:
+        starts.append(starts[-1] + query_len)
+    seq_lens = [context + query_len for context, query_len in specs]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device),
+        block_table=block_table.to(device),
+        seq_lens=torch.tensor(seq_lens, device=device),
+        query_start_loc=starts,
+        seq_lens_list=seq_lens,
+        num_decodes=next((i for i, (_, q) in enumerate(specs) if q != 1), len(specs)),
+        block_size=block_size,
     )

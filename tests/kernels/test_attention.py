@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, get_attention_backend, sdpa
+from kernels.attention import get_attention_backend, sdpa
+from kernels.attention.random_batch import specs_metadata
 from kernels.attention.sdpa import decode_chunks
 from kernels.cache_ops import copy_blocks, reshape_and_cache
 
@@ -63,20 +64,7 @@ def build_batch(
         new_values.append(v[context:])
     width = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    starts = [0]
-    for _, query_len in seq_specs:
-        starts.append(starts[-1] + query_len)
-    seq_lens = [c + q for c, q in seq_specs]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device),
-        block_table=block_table.to(device),
-        seq_lens=torch.tensor(seq_lens, device=device),
-        query_start_loc=starts,
-        seq_lens_list=seq_lens,
-        # The leading run of single-token sequences is the decode batch.
-        num_decodes=next((i for i, (_, q) in enumerate(seq_specs) if q != 1), len(seq_specs)),
-        block_size=block,
-    )
+    meta = specs_metadata(seq_specs, block_table, slots, block, device)
     tensors = [torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), cache]
     return *(t.to(device) for t in tensors), meta, full_kv
 
