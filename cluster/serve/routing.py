@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import time
+from abc import abstractmethod
 from collections.abc import Collection, Container, Mapping, Sequence
 from typing import Any
 
@@ -138,9 +139,9 @@ class PrefixAffinityRouter(RequestRouter):
         self._routed: dict[ReplicaID, _RecentKeys] = {}
         self._in_flight: dict[ReplicaID, int] = {}
 
+    @abstractmethod
     def prompt_keys(self, prompt: Mapping[str, Any]) -> list[bytes]:
         """The prompt as chained keys: equal keys at index i mean equal prompts up to chunk i."""
-        raise NotImplementedError
 
     def reported(self, replica: RunningReplica) -> Collection[bytes]:
         """What the replica itself says it holds (nothing, unless it reports)."""
