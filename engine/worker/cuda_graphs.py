@@ -165,6 +165,10 @@ class DecodeGraphs:
         self.sizes = sizes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # Each graph's capture-time metadata lives as long as the graph: device tensors a backend made
+        # from it on first use (query_start_loc_tensor, cached on the metadata) are read by every
+        # replay, and freed they would hand their memory to other tensors.
+        self.metadata: dict[int, AttentionMetadata] = {}
 
     @torch.inference_mode()
     def capture(
@@ -174,7 +178,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         buffers = self.buffers
         for size in reversed(self.sizes):
-            meta = buffers.metadata(size)
+            meta = self.metadata[size] = buffers.metadata(size)
             with set_forward_context(meta, kv_caches, backend):
                 # A warm-up pass outside the graph lets lazy initialization (cuBLAS handles,
                 # kernel autotuning) happen where it may allocate and synchronize.
@@ -215,10 +219,12 @@ def capture_decode_graphs(
     sizes = capture_sizes(config.scheduler.max_num_seqs)
     buffers = DecodeBuffers.allocate(sizes[-1], max_blocks, padding_block, config.cache.block_size, device)
     graphs = DecodeGraphs(buffers, sizes)
-    free_before = torch.cuda.mem_get_info(device)[0]
+    # What the caching allocator reserved for the graphs' pool and the warm-up passes: the device's
+    # free memory can rise across a capture (seen on an H200) and would report a negative size.
+    reserved_before = torch.cuda.memory_reserved(device)
     start = time.perf_counter()
     graphs.capture(model, kv_caches, backend)
-    taken = free_before - torch.cuda.mem_get_info(device)[0]
+    taken = torch.cuda.memory_reserved(device) - reserved_before
     logger.info(
         "captured CUDA graphs for decode batch sizes %s in %.1f s, taking %.2f GiB",
         sizes,

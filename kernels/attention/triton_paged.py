@@ -66,13 +66,21 @@ def triton_attention(
     num_decodes = meta.num_decodes
     rows = (out, query, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc_tensor)
     if num_decodes:
-        longest = max(meta.seq_lens_list[:num_decodes])
-        splits = decode_num_splits(num_decodes, kv_cache.shape[1], longest, query.device)
+        # The splits follow the block table's width (the batch's longest sequence, rounded up to a
+        # block), never a host-side length: a captured decode graph's table is max_model_len wide
+        # whatever the lengths it replays, so its grid stays right, and each split finds its share
+        # from the lengths on the device.
+        capacity = meta.block_table.shape[1] * kv_cache.shape[3]
+        splits = decode_num_splits(num_decodes, kv_cache.shape[1], capacity, query.device)
         paged_attention_rows(*rows, range(num_decodes), 1, scale, splits)
     if num_decodes < meta.num_seqs:
         prefills = range(num_decodes, meta.num_seqs)
         paged_attention_rows(*rows, prefills, max(meta.query_len(i) for i in prefills), scale)
     return out
+
+
+# The decode launch reads only device tensors and the table's shape: CUDA graphs may capture it.
+triton_attention.cuda_graph_safe = True  # type: ignore[attr-defined]
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:

@@ -22,7 +22,7 @@ def dry_run(tmp_path_factory) -> tuple[dict, object]:
 
 def test_decode_bytes_count_every_weight_but_the_embedding_once_plus_the_kv_cache(dry_run):
     _, out = dry_run
-    folder = out / "random-llama"
+    folder = out / "llama-tiny"
     arch = read_arch_config(resolve_model_source(str(folder)))
     with safe_open(str(folder / "model.safetensors"), "pt") as weights:
         # Independently: every matrix in the file but the embedding table (read by row, not whole).
@@ -36,6 +36,18 @@ def test_decode_bytes_count_every_weight_but_the_embedding_once_plus_the_kv_cach
         matrices + 8 * 100 * kv_per_token
     )
     assert gpu_check.hbm_share(2.4e12, 1.0) == pytest.approx(0.5)
+
+
+def test_the_smollm2_shape_is_the_packaged_models():
+    arch = read_arch_config(resolve_model_source(None))
+    shape = gpu_check.SMOLLM2_SHAPE
+    assert (shape.hidden, shape.intermediate, shape.layers, shape.heads, shape.kv_heads) == (
+        arch.hidden_size,
+        arch.intermediate_size,
+        arch.num_layers,
+        arch.num_heads,
+        arch.num_kv_heads,
+    )
 
 
 def test_the_1b_shape_is_about_a_billion_parameters():
@@ -73,7 +85,7 @@ def test_the_written_llama_loads_in_transformers(dry_run):
     from transformers import AutoModelForCausalLM
 
     _, out = dry_run
-    model = AutoModelForCausalLM.from_pretrained(out / "random-llama", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(out / "llama-tiny", dtype=torch.float32)
     assert model.config.num_hidden_layers == gpu_check.LLAMA_TINY.layers
     assert model(torch.tensor([[5, 6, 7]])).logits.shape[-1] == model.config.vocab_size
 

@@ -1,6 +1,6 @@
 """The CUDA paths end to end on a tiny random-weight Llama (gpu-marked: skipped without CUDA):
 decode through CUDA graphs equals eager decode and transformers, and tensor parallelism over two
-GPUs (NCCL) equals one GPU. The graphs need a graph-safe attention backend, flash-attn here."""
+GPUs (NCCL) equals one GPU. The graphs need a graph-safe attention backend: the Triton kernels, and flash-attn where installed."""
 
 from __future__ import annotations
 
@@ -31,9 +31,20 @@ def greedy_tokens(folder, **settings) -> tuple[list[list[int]], list[int]]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn")
-def test_cuda_graph_decode_equals_eager_and_transformers(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAYPAGE_ATTENTION_BACKEND", "flash_attn")  # graph-safe, and present on CUDA
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "triton",
+        pytest.param(
+            "flash_attn",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn"
+            ),
+        ),
+    ],
+)
+def test_cuda_graph_decode_equals_eager_and_transformers(tmp_path, monkeypatch, backend):
+    monkeypatch.setenv("RAYPAGE_ATTENTION_BACKEND", backend)  # both are graph-safe
     folder = write_tiny_model(tmp_path / "model")
     graphed, sizes = greedy_tokens(folder, block_size=256, enforce_eager=False)
     assert sizes == [1, 2, 4, 8]
