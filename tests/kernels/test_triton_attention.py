@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from kernels.attention import get_attention_backend
+from kernels.attention import AttentionMetadata, get_attention_backend
 from kernels.attention.triton_paged import decode_num_splits, paged_attention_rows, triton_attention
 from kernels.triton_cache import triton_reshape_and_cache
 from tests.kernels.test_attention import build_batch
@@ -89,6 +89,42 @@ def test_split_decodes_match_the_reference(num_splits):
     # merge must weigh 0.
     decodes = [(300, 1), (200, 1), (70, 1), (15, 1)]
     assert_matches_reference(decodes, torch.bfloat16, 16, heads=4, kv_heads=2, num_splits=num_splits)
+
+
+def test_decodes_read_no_host_side_length():
+    # What a CUDA graph replays: metadata whose host lists hold capture-time values (every sequence
+    # of length 1) over a block table as wide as max_model_len. Only the device tensors are this
+    # step's; the output must still match the reference on the true metadata.
+    decodes = [(300, 1), (70, 1), (15, 1)]
+    block = 16
+    q, k, v, cache, meta, _ = build_batch(
+        decodes,
+        num_blocks=40,
+        dtype=torch.float32,
+        heads=4,
+        kv_heads=2,
+        dim=HEAD_DIM,
+        block=block,
+        device=DEVICE,
+    )
+    scale = HEAD_DIM**-0.5
+    expected_cache = cache.clone()
+    expected = get_attention_backend("reference")(q, k, v, expected_cache, meta, scale)
+    wide_table = torch.full((len(decodes), 2048 // block), 39, dtype=torch.long, device=DEVICE)
+    wide_table[:, : meta.block_table.shape[1]] = meta.block_table
+    frozen = AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        block_table=wide_table,
+        seq_lens=meta.seq_lens,
+        query_start_loc=meta.query_start_loc,
+        seq_lens_list=[1] * len(decodes),
+        num_decodes=len(decodes),
+        block_size=block,
+    )
+    out = triton_attention(q, k, v, cache, frozen, scale)
+    torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert triton_attention.cuda_graph_safe
 
 
 @pytest.mark.gpu
