@@ -8,6 +8,7 @@ interpreter runs every program of a launch in numpy, one after the other.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -31,11 +32,25 @@ BATCH = [(300, 1), (40, 1), (2, 1), (0, 21), (32, 5), (19, 12)]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def assert_matches_reference(specs, dtype, block, heads, kv_heads, dim=HEAD_DIM, **launch):
-    """The Triton backend's output and cache against the reference backend's on the same batch."""
+def as_replayed_by_a_graph(meta: AttentionMetadata, num_blocks: int) -> AttentionMetadata:
+    """What a CUDA graph replays: host lists that hold capture-time values (every sequence of length
+    1) over a block table as wide as max_model_len (2048), padded with a spare block. Only the
+    device tensors are this step's."""
+    width = 2048 // meta.block_size
+    table = torch.full((meta.num_seqs, width), num_blocks - 1, dtype=torch.long, device=DEVICE)
+    table[:, : meta.block_table.shape[1]] = meta.block_table
+    return dataclasses.replace(meta, block_table=table, seq_lens_list=[1] * meta.num_seqs)
+
+
+def assert_matches_reference(
+    specs, dtype, block, heads, kv_heads, dim=HEAD_DIM, *, as_replayed=False, **launch
+):
+    """The Triton backend's output and cache against the reference backend's on the same batch
+    (`as_replayed`: the backend sees the metadata a CUDA graph replays, the reference the true one)."""
+    num_blocks = sum(-(-(context + new) // block) for context, new in specs) + 8
     q, k, v, cache, meta, _ = build_batch(
         specs,
-        num_blocks=sum(-(-(context + new) // block) for context, new in specs) + 8,
+        num_blocks=num_blocks,
         dtype=dtype,
         heads=heads,
         kv_heads=kv_heads,
@@ -62,7 +77,9 @@ def assert_matches_reference(specs, dtype, block, heads, kv_heads, dim=HEAD_DIM,
             **launch,
         )
     else:
-        out = triton_attention(q, k, v, cache, meta, scale)
+        out = triton_attention(
+            q, k, v, cache, as_replayed_by_a_graph(meta, num_blocks) if as_replayed else meta, scale
+        )
     torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
@@ -92,39 +109,8 @@ def test_split_decodes_match_the_reference(num_splits):
 
 
 def test_decodes_read_no_host_side_length():
-    # What a CUDA graph replays: metadata whose host lists hold capture-time values (every sequence
-    # of length 1) over a block table as wide as max_model_len. Only the device tensors are this
-    # step's; the output must still match the reference on the true metadata.
-    decodes = [(300, 1), (70, 1), (15, 1)]
-    block = 16
-    q, k, v, cache, meta, _ = build_batch(
-        decodes,
-        num_blocks=40,
-        dtype=torch.float32,
-        heads=4,
-        kv_heads=2,
-        dim=HEAD_DIM,
-        block=block,
-        device=DEVICE,
-    )
-    scale = HEAD_DIM**-0.5
-    expected_cache = cache.clone()
-    expected = get_attention_backend("reference")(q, k, v, expected_cache, meta, scale)
-    wide_table = torch.full((len(decodes), 2048 // block), 39, dtype=torch.long, device=DEVICE)
-    wide_table[:, : meta.block_table.shape[1]] = meta.block_table
-    frozen = AttentionMetadata(
-        slot_mapping=meta.slot_mapping,
-        block_table=wide_table,
-        seq_lens=meta.seq_lens,
-        query_start_loc=meta.query_start_loc,
-        seq_lens_list=[1] * len(decodes),
-        num_decodes=len(decodes),
-        block_size=block,
-    )
-    out = triton_attention(q, k, v, cache, frozen, scale)
-    torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert triton_attention.cuda_graph_safe
+    assert_matches_reference([(300, 1), (70, 1), (15, 1)], torch.float32, 16, 4, 2, as_replayed=True)
 
 
 @pytest.mark.gpu
