@@ -19,6 +19,7 @@ from typing import Any
 from ray import serve
 
 from cluster.serve.args import ServeAppSettings, parse_app_models
+from cluster.serve.failover import FailoverSettings
 from cluster.serve.ingress import OpenAIIngress
 from cluster.serve.llm_server import HandleLLMServer, LLMServer
 from cluster.serve.routing import ROUTER_CLASSES
@@ -50,7 +51,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         (llm_server, model.engine_settings, model.server.served_model_names)
         for llm_server, model in zip(llm_servers, models, strict=True)
     ]
-    return OpenAIIngress.options(**ingress_options(models)).bind(served_models, first.server)
+    failover = FailoverSettings(first.options.failover, first.options.failover_timeout_s)
+    return OpenAIIngress.options(**ingress_options(models)).bind(served_models, first.server, failover)
 
 
 def llm_server_name(settings: ServeAppSettings, num_models: int) -> str:

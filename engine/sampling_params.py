@@ -110,8 +110,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}.")
+        # Up to 2**64: a request resumed on another replica (failover) carries its seed advanced
+        # past the tokens already sent (`engine.worker.input_batch.position_seed`), modulo 2**64.
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}.")
 
     def _check_stops(self) -> None:
         if self.stop is not None and any(not isinstance(s, str) or s == "" for s in self.stop):

@@ -101,7 +101,7 @@ def _new_sequence_data(seq: Sequence, block_ids: list[int]) -> NewSequenceData:
         block_ids=block_ids,
         num_computed_tokens=seq.num_computed_tokens,
         eos_token_id=request.eos_token_id,
-        seed=None if params.seed is None else params.seed + seq.index,
+        seed=None if params.seed is None else (params.seed + seq.index) % 2**64,  # a uint64 on the wire
         num_logprobs=_num_logprobs(request),
         num_prompt_logprobs=params.prompt_logprobs if seq.index == 0 else None,
     )

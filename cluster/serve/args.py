@@ -168,6 +168,18 @@ class ServeOptions(BaseModel):
         description="With ingress: separate, a request's outputs produced within this window cross "
         "from the LLMServer to the ingress as one message (the first output at once); 0 sends each on its own",
     )
+    failover: bool = Field(
+        True,
+        description="With ingress: separate, a request whose LLMServer replica fails (its actor killed, its "
+        "node removed, its engine dead) continues on another replica from the tokens already sent; "
+        "False: it ends with an error",
+    )
+    failover_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a failed replica's request waits for another replica to take it over "
+        "(send its first output) before it ends with an error",
+    )
     health_check_period_s: float = Field(
         10.0, gt=0, description="Seconds between Serve's health checks of an LLMServer replica"
     )

@@ -117,6 +117,19 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
         "0 sends each on its own (default: 50)",
     )
     group.add_argument(
+        "--failover",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with a separate ingress, continue a request whose LLMServer replica fails on another replica "
+        "from the tokens already sent (default: on)",
+    )
+    group.add_argument(
+        "--failover-timeout-s",
+        type=float,
+        default=30.0,
+        help="seconds a failed replica's request waits for another replica to take it over (default: 30)",
+    )
+    group.add_argument(
         "--health-check-period-s",
         type=float,
         default=10.0,
@@ -154,6 +167,8 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "replica_niceness": args.replica_niceness,
         "llm_server_cpus": args.llm_server_cpus or (1.0 if args.address else float(os.cpu_count() or 1)),
         "stream_batch_interval_ms": args.stream_batch_interval_ms,
+        "failover": args.failover,
+        "failover_timeout_s": args.failover_timeout_s,
         "health_check_period_s": args.health_check_period_s,
         "health_check_timeout_s": args.health_check_timeout_s,
     }

@@ -3,18 +3,21 @@ forward to the `LLMServer` deployments, one per model (a request's `model` picks
 
 Tokenization, chat templates and validation run here, with a tokenizer and input processor built
 from the same engine settings (the model files are local to every node); generation runs in an
-LLMServer replica and streams back through `DeploymentHandle.options(stream=True)`.
+LLMServer replica and streams back through `DeploymentHandle.options(stream=True)`. A request whose
+replica fails mid-stream continues on another (`cluster.serve.failover`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
@@ -24,13 +27,15 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.openai.app import ServerSettings, build_app
 from cluster.openai.model_handlers import ServedModel
+from cluster.serve.failover import FailoverMetrics, FailoverSettings, NotResumableError, StreamProgress
 from cluster.serve.llm_server import EngineState
 from engine.config import EngineConfig
+from engine.detokenizer import backend_tokenizer
 from engine.exceptions import EngineDeadError
 from engine.input_processor import PromptType
 from engine.llm_engine import build_front_end
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,9 @@ logger = logging.getLogger(__name__)
 STATE_POLL_INTERVAL_S = 1.0
 # Failures that mean the LLMServer replica (not the request) is gone.
 _REPLICA_GONE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+# Between a replica's failure and the request's resubmission, and between resubmissions: Serve's
+# router may still offer the dead replica until it learns of its death.
+FAILOVER_RETRY_INTERVAL_S = 0.5
 
 
 class DeploymentEngineClient:
@@ -47,27 +55,104 @@ class DeploymentEngineClient:
     wrapped in Ray's exceptions; a replica that died is an EngineDeadError too.
     """
 
-    def __init__(self, handle: DeploymentHandle, engine_settings: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        engine_settings: dict[str, Any],
+        failover: FailoverSettings,
+        failover_counters: tuple[Counter, Counter],
+    ) -> None:
         self.config, self.tokenizer, self.input_processor = build_front_end(
             EngineConfig.from_flat(**engine_settings)
         )
         self._handle = handle
         self._state = EngineState(errored=False, stats={}, metrics=b"")
+        self._failover = failover
+        self._resumed, self._failed = failover_counters
+        self._detokenizer_tokenizer = backend_tokenizer(self.tokenizer)
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs from an LLMServer replica; closing this early cancels the remote
-        generator, which aborts the request there and frees its blocks."""
+        generator, which aborts the request there and frees its blocks. When the replica fails,
+        the request continues on another (with failover on), or ends with EngineDeadError."""
+        progress = StreamProgress(request_id, prompt, sampling_params, self._detokenizer_tokenizer)
+        attempt_prompt, attempt_params, attempt_id = prompt, sampling_params, request_id
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None  # set while the request waits for a replica to take it over
+        for attempt in itertools.count(1):
+            try:
+                replica_stream = self._replica_stream(
+                    attempt_prompt, attempt_params, attempt_id, priority, deadline
+                )
+                # aclosing: leaving early (the client gone, a stop string found here) cancels the remote call.
+                async with contextlib.aclosing(replica_stream) as outputs:
+                    async for output in outputs:
+                        if deadline is not None:
+                            deadline = None
+                            self._resumed.inc()
+                        yield progress.deliver(output)
+                        if progress.finished:
+                            return
+                return
+            except TimeoutError:
+                self._failed.inc()
+                raise EngineDeadError(
+                    f"request {request_id}: its LLMServer replica failed, and no healthy replica took it "
+                    f"over within failover_timeout_s={self._failover.timeout_s:g} s"
+                ) from None
+            except EngineDeadError as error:
+                if not self._failover.enabled:
+                    raise
+                deadline = deadline or loop.time() + self._failover.timeout_s
+                try:
+                    attempt_prompt, attempt_params = progress.resubmission()
+                except NotResumableError:
+                    self._failed.inc()
+                    raise
+                logger.warning(
+                    "request %s: its LLMServer replica failed (%s) after %d tokens; resubmitting it",
+                    request_id,
+                    error,
+                    len(progress.token_ids),
+                )
+                attempt_id = f"{request_id}-failover{attempt}"
+                await asyncio.sleep(max(0.0, min(FAILOVER_RETRY_INTERVAL_S, deadline - loop.time())))
+
+    async def _replica_stream(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        priority: int,
+        deadline: float | None,
+    ) -> AsyncIterator[RequestOutput]:
+        """One replica's outputs for the request; TimeoutError when its first batch has not come by
+        `deadline` (loop time; None: no limit), the engine's error when the call fails."""
         stream = self._handle.options(stream=True).generate.remote(
             prompt, sampling_params, request_id, priority
         )
         finished = False
         try:
+            if deadline is not None:
+                timeout = deadline - asyncio.get_running_loop().time()
+                first = await asyncio.wait_for(anext(stream, None), max(0.0, timeout))
+                if first is None:
+                    return
+                for output in first:
+                    finished = output.finished
+                    yield output
             async for batch in stream:
                 for output in batch:
                     finished = output.finished
                     yield output
+        except TimeoutError:
+            raise
         except Exception as exc:
             raise engine_error(exc) from None
         finally:
@@ -115,18 +200,23 @@ class ReplicaMetrics:
     """Stands in for the app's `PrometheusStatLogger`: /metrics shows the metrics an LLMServer
     replica's engine records (request counts, latency histograms, gauges), as last polled. With
     several replicas each poll reaches one of them; with several models, one replica of each, their
-    series told apart by the model_name label."""
+    series told apart by the model_name label. The ingress's own failover counters follow them."""
 
-    def __init__(self, clients: list[DeploymentEngineClient]) -> None:
+    def __init__(self, clients: list[DeploymentEngineClient], ingress_registry: CollectorRegistry) -> None:
         self._clients = clients
+        self._ingress_registry = ingress_registry
 
     def update_scheduler_stats(self, stats: dict[str, Any]) -> None:
         """Nothing to do: the replica's engine keeps its gauges current itself."""
 
     def render(self) -> bytes:
-        if len(self._clients) == 1:
-            return self._clients[0].metrics
-        return merge_prometheus_texts([client.metrics for client in self._clients])
+        replicas = (
+            self._clients[0].metrics
+            if len(self._clients) == 1
+            else merge_prometheus_texts([client.metrics for client in self._clients])
+        )
+        # Families of their own (raypage:failover_*), so the two texts simply follow each other.
+        return replicas + generate_latest(self._ingress_registry)
 
 
 class _Families:
@@ -167,13 +257,24 @@ def engine_error(exc: Exception) -> Exception:
 class OpenAIIngress:
     """The HTTP front door: OpenAI's routes, /health, /metrics, /tokenize, over the LLMServer
     deployment of each model: `models` holds (its handle, its flat engine settings, its served names),
-    the first being the model a request that names none gets."""
+    the first being the model a request that names none gets. `failover` says whether (and how long
+    for) a request whose replica fails is resumed on another."""
 
     def __init__(
-        self, models: list[tuple[DeploymentHandle, dict[str, Any], list[str]]], settings: ServerSettings
+        self,
+        models: list[tuple[DeploymentHandle, dict[str, Any], list[str]]],
+        settings: ServerSettings,
+        failover: FailoverSettings,
     ) -> None:
+        self._registry = CollectorRegistry()
+        counters = FailoverMetrics(self._registry, [names[0] for _, _, names in models])
         self._models = [
-            (DeploymentEngineClient(handle, engine_settings), names)
+            (
+                DeploymentEngineClient(
+                    handle, engine_settings, failover, (counters.resumed[names[0]], counters.failed[names[0]])
+                ),
+                names,
+            )
             for handle, engine_settings, names in models
         ]
         self._settings = settings
@@ -187,7 +288,7 @@ class OpenAIIngress:
         return build_app(
             first,
             self._settings,
-            prometheus=ReplicaMetrics(clients),
+            prometheus=ReplicaMetrics(clients, self._registry),
             other_models=[ServedModel(client, names) for client, names in others],
         )
 

@@ -19,6 +19,16 @@ from engine.sampling_params import SamplingParams
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the draw for output token `position` of a sequence seeded with `seed`.
+
+    Linear in the position, so a request resumed after k output tokens (a failover, with the k
+    tokens moved into its prompt) whose seed is `position_seed(seed, k)` draws exactly what the
+    original would have.
+    """
+    return (seed + position * _GOLDEN_GAMMA) % 2**64
+
+
 @dataclasses.dataclass
 class WorkerSequenceState:
     """What a worker keeps about one sequence from step to step (the scheduler sends it once, as
@@ -52,8 +62,7 @@ class WorkerSequenceState:
         batched differently still samples exactly the same tokens.
         """
         if self.generator is not None:
-            position = len(self.token_ids) - self.num_prompt_tokens
-            self.generator.manual_seed((self.seed + position * _GOLDEN_GAMMA) % 2**64)
+            self.generator.manual_seed(position_seed(self.seed, len(self.token_ids) - self.num_prompt_tokens))
         return self.generator
 
 
