@@ -16,6 +16,10 @@
 // (a bf16 matmul's output), the softmax runs in float32, its probabilities are rounded to the cache
 // dtype before the PV product, which accumulates in float32 and is rounded once at the end. For a
 // float32 cache every rounding is the identity.
+//
+// Two implementations: attend_bf16 (AVX-512 BF16, a bf16 cache with head_dim 32, 64 or 128, GQA
+// groups of 1-4, 6 or 8 and blocks of a multiple of 16 tokens) multiplies bf16 pairs directly with
+// `vdpbf16ps` and finishes 16 scores at once; attend_widened serves every other case.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,7 +33,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -172,37 +178,80 @@ inline float exp_shifted(float* p, int64_t n, float peak) {
   return total;
 }
 
+// Inlined into the kernels' loops: a call there would make them keep their accumulators in memory.
+#define RAYPAGE_INLINE inline __attribute__((always_inline))
+
 // Blocks lie anywhere in a cache of many megabytes: without prefetching, the kernel spent most of
-// its time waiting for each key and value row to arrive from memory.
-template <typename T>
-inline void prefetch(const T* data, int64_t elems) {
+// its time waiting for each key and value row to arrive from memory. Locality 3 brings the lines
+// into L1, 2 into L2 (for rows wanted later than the next block).
+template <int kLocality = 3, typename T>
+RAYPAGE_INLINE void prefetch(const T* data, int64_t elems) {
   const char* bytes = reinterpret_cast<const char*>(data);
   for (int64_t offset = 0; offset < elems * static_cast<int64_t>(sizeof(T)); offset += 64) {
-    __builtin_prefetch(bytes + offset, 0, 3);
+    __builtin_prefetch(bytes + offset, 0, kLocality);
   }
 }
 
+// Where one call's rows lie: the strides and base pointers every work item reads through.
 template <typename T>
-void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                   const at::Tensor& block_table, const at::Tensor& seq_lens, float scale) {
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
-  const int64_t block_size = kv_cache.size(3), group = num_heads / num_kv_heads;
-  const int64_t table_width = block_table.size(1);
-  const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
-  const int64_t o_seq_stride = out.stride(0), o_head_stride = out.stride(1);
-  const int64_t bt_seq_stride = block_table.stride(0), bt_block_stride = block_table.stride(1);
-  const int64_t lens_stride = seq_lens.stride(0);
-  const int64_t block_elems = block_size * head_dim;
-  const int64_t head_elems = num_blocks * block_elems;  // one KV head's keys (or values), all blocks
+struct Layout {
+  int64_t head_dim, block_size, group, num_blocks, block_elems, head_elems;
+  int64_t q_seq_stride, q_head_stride, o_seq_stride, o_head_stride, bt_seq_stride, bt_block_stride;
+  const T *q_data, *k_data, *v_data;
+  const int64_t* bt_data;
+  T* o_data;
 
-  const T* q_data = query.const_data_ptr<T>();
-  const T* k_data = kv_cache.const_data_ptr<T>();
-  const T* v_data = k_data + num_kv_heads * head_elems;
-  const int64_t* bt_data = block_table.const_data_ptr<int64_t>();
+  Layout(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table)
+      : head_dim(query.size(2)),
+        block_size(kv_cache.size(3)),
+        group(query.size(1) / kv_cache.size(1)),
+        num_blocks(kv_cache.size(2)),
+        block_elems(block_size * head_dim),
+        head_elems(num_blocks * block_elems),  // one KV head's keys (or values), all blocks
+        q_seq_stride(query.stride(0)),
+        q_head_stride(query.stride(1)),
+        o_seq_stride(out.stride(0)),
+        o_head_stride(out.stride(1)),
+        bt_seq_stride(block_table.stride(0)),
+        bt_block_stride(block_table.stride(1)),
+        q_data(query.const_data_ptr<T>()),
+        k_data(kv_cache.const_data_ptr<T>()),
+        v_data(k_data + kv_cache.size(1) * head_elems),
+        bt_data(block_table.const_data_ptr<int64_t>()),
+        o_data(out.mutable_data_ptr<T>()) {}
+
+  const T* query_row(int64_t s, int64_t head) const { return q_data + s * q_seq_stride + head * q_head_stride; }
+  T* out_row(int64_t s, int64_t head) const { return o_data + s * o_seq_stride + head * o_head_stride; }
+  // The first row of token t0's block (keys or values of KV head h), checked against the cache's size.
+  RAYPAGE_INLINE const T* rows(const T* cache, int64_t s, int64_t h, int64_t t0) const {
+    const int64_t block = bt_data[s * bt_seq_stride + (t0 / block_size) * bt_block_stride];
+    TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block, " out of range [0, ",
+                num_blocks, ")");
+    return cache + h * head_elems + block * block_elems;
+  }
+  // The block `ahead` blocks after token t0's is prefetched while this one is used.
+  template <int kLocality = 3>
+  RAYPAGE_INLINE void prefetch_next(const T* cache, int64_t s, int64_t h, int64_t t0, int64_t len,
+                                    int64_t ahead = 1) const {
+    if (t0 + ahead * block_size < len) prefetch<kLocality>(rows(cache, s, h, t0 + ahead * block_size), block_elems);
+  }
+};
+
+// Per-thread scratch, kept across calls: a layer's call would otherwise allocate it again each time.
+template <typename E>
+E* scratch(int64_t n) {
+  static thread_local std::vector<E> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
+// Checks every sequence's length, then runs attend(s, h, len, max_len) for each (sequence, KV head)
+// pair on the intra-op threads.
+template <typename Attend>
+void for_each_item(const at::Tensor& seq_lens, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
+                   Attend attend) {
+  const int64_t num_seqs = seq_lens.size(0), lens_stride = seq_lens.stride(0);
   const int64_t* lens_data = seq_lens.const_data_ptr<int64_t>();
-  T* o_data = out.mutable_data_ptr<T>();
-
   int64_t max_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = lens_data[s * lens_stride];
@@ -211,63 +260,228 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                 s, "] = ", len, " needs more blocks than block_table's ", table_width, " columns");
     max_len = std::max(max_len, len);
   }
-
   const int64_t num_items = num_seqs * num_kv_heads;
   std::atomic<int64_t> next_item{0};
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> q(group * head_dim), row(head_dim), acc(group * head_dim), scores(group * max_len);
     for (int64_t item = next_item++; item < num_items; item = next_item++) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = lens_data[s * lens_stride];
-      for (int64_t g = 0; g < group; ++g) {
-        widen(&q[g * head_dim], q_data + s * q_seq_stride + (h * group + g) * q_head_stride, head_dim);
-      }
-      // Physical block of token t0's logical block; the next one is prefetched while this one is used.
-      const auto block_of = [&](int64_t t0) {
-        const int64_t block = bt_data[s * bt_seq_stride + (t0 / block_size) * bt_block_stride];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block,
-                    " out of range [0, ", num_blocks, ")");
-        return block;
-      };
-      const auto prefetch_next = [&](const T* cache, int64_t t0) {
-        if (t0 + block_size < len) prefetch(cache + h * head_elems + block_of(t0 + block_size) * block_elems, block_elems);
-      };
-      // Pass 1: every query head's score against every key, block by block where the keys lie.
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        prefetch_next(k_data, t0);
-        const T* keys = k_data + h * head_elems + block_of(t0) * block_elems;
-        for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t) {
-          widen(row.data(), keys + (t - t0) * head_dim, head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            scores[g * max_len + t] = dot(&q[g * head_dim], row.data(), head_dim);
-          }
-        }
-      }
-      prefetch(v_data + h * head_elems + block_of(0) * block_elems, block_elems);
-      // Softmax in float32 per query head; probabilities rounded to the cache dtype.
-      for (int64_t g = 0; g < group; ++g) {
-        float* p = &scores[g * max_len];
-        round_scaled<T>(p, len, 1.f, scale);  // a bf16 matmul's output, scaled in float32
-        const float total = exp_shifted(p, len, *std::max_element(p, p + len));
-        round_scaled<T>(p, len, 1.f / total, 1.f);
-      }
-      // Pass 2: the probability-weighted sum of the values, read block by block in place.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        prefetch_next(v_data, t0);
-        const T* values = v_data + h * head_elems + block_of(t0) * block_elems;
-        for (int64_t g = 0; g < group; ++g) {
-          accumulate_rows(&acc[g * head_dim], &scores[g * max_len + t0], values, std::min(block_size, len - t0),
-                          head_dim);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = o_data + s * o_seq_stride + (h * group + g) * o_head_stride;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
-      }
+      attend(s, h, lens_data[s * lens_stride], max_len);
     }
   });
+}
+
+// Any dtype, head size and group: rows widened to float32, one dot product per (key, query head).
+template <typename T>
+void attend_widened(const Layout<T>& L, int64_t s, int64_t h, int64_t len, int64_t max_len, float scale) {
+  const int64_t group = L.group, head_dim = L.head_dim, block_size = L.block_size;
+  float* q = scratch<float>(2 * group * head_dim + head_dim + group * max_len);
+  float* acc = q + group * head_dim;
+  float* row = acc + group * head_dim;
+  float* scores = row + head_dim;
+  for (int64_t g = 0; g < group; ++g) widen(&q[g * head_dim], L.query_row(s, h * group + g), head_dim);
+  // Pass 1: every query head's score against every key, block by block where the keys lie.
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    L.prefetch_next(L.k_data, s, h, t0, len);
+    const T* keys = L.rows(L.k_data, s, h, t0);
+    for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t) {
+      widen(row, keys + (t - t0) * head_dim, head_dim);
+      for (int64_t g = 0; g < group; ++g) scores[g * max_len + t] = dot(&q[g * head_dim], row, head_dim);
+    }
+  }
+  prefetch(L.rows(L.v_data, s, h, 0), L.block_elems);
+  for (int64_t g = 0; g < group; ++g) {
+    float* p = &scores[g * max_len];
+    round_scaled<T>(p, len, 1.f, scale);  // a bf16 matmul's output, scaled in float32
+    // Softmax in float32; probabilities rounded to the cache dtype.
+    const float total = exp_shifted(p, len, *std::max_element(p, p + len));
+    round_scaled<T>(p, len, 1.f / total, 1.f);
+  }
+  // Pass 2: the probability-weighted sum of the values, read block by block in place.
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    L.prefetch_next(L.v_data, s, h, t0, len);
+    const T* values = L.rows(L.v_data, s, h, t0);
+    for (int64_t g = 0; g < group; ++g) {
+      accumulate_rows(&acc[g * head_dim], &scores[g * max_len + t0], values, std::min(block_size, len - t0), head_dim);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    T* o = L.out_row(s, h * group + g);
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// Lane j of the result is the sum of a[j]'s 16 lanes: 16 dot products finished together in 45
+// shuffles and adds, where a horizontal reduce per dot product takes about 8 each.
+inline __m512 sum_lanes16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: a[2i], a[2i+1], a[2i], a[2i+1]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: a[4i], ..., a[4i+3]
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  const auto fold = [](__m512 x, __m512 y) {  // the 128-bit lanes pairwise: x's two halves, then y's
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, kEven), _mm512_shuffle_f32x4(x, y, kOdd));
+  };
+  return fold(fold(c[0], c[1]), fold(c[2], c[3]));
+}
+
+inline __m512bh load_bf16x32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// bf16 with head_dim = 32 * kChunks and a GQA group of kGroup: every product is a `vdpbf16ps`, two
+// bf16 multiplies per float32 lane accumulated in float32 (exact products: the same math as a bf16
+// matmul, only the order of the sum differs; subnormal bf16 inputs count as zero). Scores come 16 keys at a time, finished together by
+// sum_lanes16. Values go two tokens at a time: their rows interleaved so that each lane pairs token
+// t's element with token t+1's, against the pair of probabilities broadcast. The interleave permutes
+// the head dimension inside each 128-bit lane; the output undoes it once.
+template <int kChunks, int kGroup>
+void attend_bf16(const Layout<c10::BFloat16>& L, int64_t s, int64_t h, int64_t len, int64_t max_len, float scale) {
+  using bf16 = c10::BFloat16;
+  constexpr int64_t head_dim = 32 * kChunks;
+  const int64_t block_size = L.block_size, p_stride = max_len + 2;  // room for a zero after an odd length
+  float* scores = scratch<float>(kGroup * max_len);
+  uint16_t* probs = scratch<uint16_t>(kGroup * p_stride);
+  __m512bh q[kGroup][kChunks];
+  __m512 peak[kGroup];
+  for (int g = 0; g < kGroup; ++g) {
+    for (int c = 0; c < kChunks; ++c) q[g][c] = load_bf16x32(L.query_row(s, h * kGroup + g) + 32 * c);
+    peak[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  }
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  // Pass 1: scores, 16 keys of a block at a time. Rows past `len` in the last block are read (they
+  // lie inside the block) but their scores are never stored.
+  // Keys two blocks ahead: one block's scores take less time than a row takes to come from memory.
+  // Each block's values go to L2 meanwhile, so that pass 2 finds them there.
+  for (int64_t ahead = 0; ahead < 2; ++ahead) L.prefetch_next(L.k_data, s, h, 0, len, ahead);
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    L.prefetch_next(L.k_data, s, h, t0, len, 2);
+    L.template prefetch_next<2>(L.v_data, s, h, t0, len, 0);
+    const bf16* keys = L.rows(L.k_data, s, h, t0);
+    for (int64_t j0 = 0; j0 < std::min(block_size, len - t0); j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - t0 - j0);
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      for (int g = 0; g < kGroup; ++g) {
+        __m512 partial[16];
+        for (int j = 0; j < 16; ++j) {
+          partial[j] = _mm512_setzero_ps();
+          for (int c = 0; c < kChunks; ++c) {
+            partial[j] = _mm512_dpbf16_ps(partial[j], q[g][c], load_bf16x32(keys + (j0 + j) * head_dim + 32 * c));
+          }
+        }
+        const __m512 scores16 = _mm512_mul_ps(round16<bf16>(sum_lanes16(partial)), scale16);
+        _mm512_mask_storeu_ps(scores + g * max_len + t0 + j0, valid, scores16);
+        peak[g] = _mm512_mask_max_ps(peak[g], valid, peak[g], scores16);
+      }
+    }
+  }
+  prefetch(L.rows(L.v_data, s, h, 0), L.block_elems);
+  for (int g = 0; g < kGroup; ++g) {
+    float* p = scores + g * max_len;
+    const __m512 inverse = _mm512_set1_ps(1.f / exp_shifted(p, len, _mm512_reduce_max_ps(peak[g])));
+    uint16_t* pb = probs + g * p_stride;
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) {  // rounded to nearest even, as static_cast<bf16> does
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(p + t), inverse)));
+    }
+    for (; t < len; ++t) pb[t] = static_cast<bf16>(p[t] * _mm512_cvtss_f32(inverse)).x;
+    pb[len] = 0;
+  }
+  // Pass 2: values two tokens at a time. A missing second token (an odd length) is a row of zeros,
+  // not whatever the block holds past `len`, which could be a NaN; it is read all the same (blocks
+  // have an even size), then zeroed in the register: GCC keeps the accumulators in memory across a
+  // masked load.
+  __m512 acc[kGroup][2 * kChunks];
+  for (int g = 0; g < kGroup; ++g) {
+    for (int i = 0; i < 2 * kChunks; ++i) acc[g][i] = _mm512_setzero_ps();
+  }
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    L.prefetch_next(L.v_data, s, h, t0, len);
+    const bf16* values = L.rows(L.v_data, s, h, t0);
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t t = 0; t < n; t += 2) {
+      const __mmask32 second = t + 1 < n ? ~__mmask32{0} : __mmask32{0};
+      __m512bh lo[kChunks], hi[kChunks];
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512i a = _mm512_loadu_si512(values + t * head_dim + 32 * c);
+        const __m512i b = _mm512_maskz_mov_epi16(second, _mm512_loadu_si512(values + (t + 1) * head_dim + 32 * c));
+        lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
+      for (int g = 0; g < kGroup; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, probs + g * p_stride + t0 + t, sizeof(pair));
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+        for (int c = 0; c < kChunks; ++c) {
+          acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], p, lo[c]);
+          acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], p, hi[c]);
+        }
+      }
+    }
+  }
+  // Lane 4k+m of the low half holds element 8k+m of its 32, of the high half element 8k+4+m.
+  const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i last16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int g = 0; g < kGroup; ++g) {
+    bf16* o = L.out_row(s, h * kGroup + g);
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 low = acc[g][2 * c], high = acc[g][2 * c + 1];
+      for (int half = 0; half < 2; ++half) {
+        const __m512 ordered = _mm512_permutex2var_ps(low, half ? last16 : first16, high);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * c + 16 * half),
+                            (__m256i)_mm512_cvtneps_pbh(ordered));
+      }
+    }
+  }
+}
+
+using Bf16Attend = void (*)(const Layout<c10::BFloat16>&, int64_t, int64_t, int64_t, int64_t, float);
+
+template <int kChunks>
+Bf16Attend bf16_for_group(int64_t group) {
+  switch (group) {
+    case 1: return &attend_bf16<kChunks, 1>;
+    case 2: return &attend_bf16<kChunks, 2>;
+    case 3: return &attend_bf16<kChunks, 3>;
+    case 4: return &attend_bf16<kChunks, 4>;
+    case 6: return &attend_bf16<kChunks, 6>;
+    case 8: return &attend_bf16<kChunks, 8>;
+    default: return nullptr;
+  }
+}
+
+// The vdpbf16ps kernel for this shape, or nullptr where the widening one serves instead.
+Bf16Attend bf16_kernel(int64_t head_dim, int64_t group, int64_t block_size) {
+  if (block_size % 16 != 0) return nullptr;
+  switch (head_dim) {
+    case 32: return bf16_for_group<1>(group);
+    case 64: return bf16_for_group<2>(group);
+    case 128: return bf16_for_group<4>(group);
+    default: return nullptr;
+  }
+}
+#endif
+
+template <typename T>
+void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                   const at::Tensor& block_table, const at::Tensor& seq_lens, float scale) {
+  const Layout<T> L(out, query, kv_cache, block_table);
+  const auto items = [&](auto attend) {
+    for_each_item(seq_lens, kv_cache.size(1), L.block_size, block_table.size(1), attend);
+  };
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (const Bf16Attend attend = bf16_kernel(L.head_dim, L.group, L.block_size)) {
+      return items([&](int64_t s, int64_t h, int64_t len, int64_t max_len) { attend(L, s, h, len, max_len, scale); });
+    }
+  }
+#endif
+  items([&](int64_t s, int64_t h, int64_t len, int64_t max_len) { attend_widened(L, s, h, len, max_len, scale); });
 }
 
 void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,

@@ -27,20 +27,20 @@ HEAD_DIM = 64
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def decode_batch(seq_lens, group, block_size, dtype, kv_heads=2, seed=0):
+def decode_batch(seq_lens, group, block_size, dtype, kv_heads=2, seed=0, head_dim=HEAD_DIM):
     """Decode rows over a random cache: each sequence's blocks scattered at random, the block table a
     strided view (every other column of a wider table), its unused entries pointing out of range."""
     gen = torch.Generator().manual_seed(seed)
     widths = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(widths) + 7
-    cache = torch.randn(2, kv_heads, num_blocks, block_size, HEAD_DIM, generator=gen).to(dtype)
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
     wide = torch.full((len(seq_lens), 2 * max(widths)), num_blocks + 1000)
     blocks = torch.randperm(num_blocks, generator=gen).tolist()
     for row, width in enumerate(widths):
         wide[row, : 2 * width : 2] = torch.tensor([blocks.pop() for _ in range(width)])
     table = wide[:, ::2]
     assert not table.is_contiguous()
-    query = torch.randn(len(seq_lens), kv_heads * group, HEAD_DIM, generator=gen).to(dtype)
+    query = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=gen).to(dtype)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.long),
         block_table=table,
@@ -67,6 +67,44 @@ def test_decode_kernel_matches_reference(dtype, group, block_size):
     torch.ops.raypage.paged_decode_attention(out, query, cache, meta.block_table, meta.seq_lens, scale)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("head_dim", "group", "block_size"),
+    [(128, 4, 16), (32, 8, 16), (64, 5, 16), (64, 3, 8), (80, 3, 16)],
+    ids=["vdpbf16ps-dim128", "vdpbf16ps-dim32", "widened-group5", "widened-block8", "widened-dim80"],
+)
+def test_bf16_shapes_on_either_kernel_match_reference(head_dim, group, block_size):
+    # The first two take the vdpbf16ps kernel (where the CPU has AVX-512 BF16), the rest the
+    # widening one: a group, block size or head size the bf16 kernel is not built for.
+    seq_lens = list(range(130, 0, -1))
+    query, cache, meta = decode_batch(seq_lens, group, block_size, torch.bfloat16, head_dim=head_dim)
+    empty = torch.zeros(0, cache.shape[1], head_dim, dtype=torch.bfloat16)
+    expected = reference_attention(query, empty, empty, cache, meta, head_dim**-0.5)
+    out = torch.empty_like(query)
+    torch.ops.raypage.paged_decode_attention(
+        out, query, cache, meta.block_table, meta.seq_lens, head_dim**-0.5
+    )
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cache_slots_past_each_length_are_never_read_into_the_result(dtype):
+    # Slots past a sequence's length hold whatever earlier sequences left there: NaN here. The
+    # bf16 kernel reads keys and values in pairs and in tiles of 16, so odd lengths are the test.
+    seq_lens = [47, 33, 17, 16, 3, 1]
+    query, cache, meta = decode_batch(seq_lens, group=3, block_size=16, dtype=dtype)
+    empty = torch.zeros(0, cache.shape[1], HEAD_DIM, dtype=dtype)
+    expected = reference_attention(query, empty, empty, cache, meta, 0.125)
+    for row, seq_len in enumerate(seq_lens):
+        last = meta.block_table[row, (seq_len - 1) // 16]
+        cache[:, :, last, seq_len % 16 or 16 :] = float("nan")
+    out = torch.empty_like(query)
+    torch.ops.raypage.paged_decode_attention(out, query, cache, meta.block_table, meta.seq_lens, 0.125)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
 @needs_kernels
