@@ -219,11 +219,15 @@ def capture_decode_graphs(
     sizes = capture_sizes(config.scheduler.max_num_seqs)
     buffers = DecodeBuffers.allocate(sizes[-1], max_blocks, padding_block, config.cache.block_size, device)
     graphs = DecodeGraphs(buffers, sizes)
-    # What the caching allocator reserved for the graphs' pool and the warm-up passes: the device's
-    # free memory can rise across a capture (seen on an H200) and would report a negative size.
+    # The graphs' memory pool, as what the caching allocator reserves beyond live tensors.
+    # torch.cuda.graph empties the allocator's cache at each capture, so both readings are taken from
+    # an emptied cache: without that, the free memory and the reserved memory before the capture both
+    # counted cached blocks that the capture then released (a negative size, seen on an H200).
+    torch.cuda.empty_cache()
     reserved_before = torch.cuda.memory_reserved(device)
     start = time.perf_counter()
     graphs.capture(model, kv_caches, backend)
+    torch.cuda.empty_cache()
     taken = torch.cuda.memory_reserved(device) - reserved_before
     logger.info(
         "captured CUDA graphs for decode batch sizes %s in %.1f s, taking %.2f GiB",

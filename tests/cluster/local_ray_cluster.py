@@ -7,8 +7,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import psutil
+import pytest
 import ray
+from ray import serve
 from ray.cluster_utils import Cluster
+
+from tests.cluster.remote_server import free_port
 
 
 @contextlib.contextmanager
@@ -28,3 +32,27 @@ def local_cluster(**head_node_args: Any) -> Iterator[Cluster]:
     for process in alive:
         process.kill()
     assert not leaked, f"processes left behind: {leaked}"
+
+
+@contextlib.contextmanager
+def serve_on_local_cluster(num_cpus: int) -> Iterator[str]:
+    """Serve's HTTP proxy on a free loopback port of a local cluster of `num_cpus` CPUs (a 100 MB
+    object store, no dashboard): its base URL. Serve shuts down before the cluster does."""
+    with local_cluster(num_cpus=num_cpus, object_store_memory=100 * 1024 * 1024, include_dashboard=False):
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+
+
+def serve_url_fixture(num_cpus: int) -> Any:
+    """A module-scoped fixture of `serve_on_local_cluster(num_cpus)`'s URL, for `base_url = ...`."""
+
+    @pytest.fixture(scope="module")
+    def base_url() -> Iterator[str]:
+        with serve_on_local_cluster(num_cpus) as url:
+            yield url
+
+    return base_url

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,8 +26,7 @@ from engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.input_batch import position_seed
-from tests.cluster.local_ray_cluster import local_cluster
-from tests.cluster.remote_server import free_port
+from tests.cluster.local_ray_cluster import serve_url_fixture
 from tests.model.tiny_models import write_tiny_model
 
 APP = "raypage"
@@ -47,15 +45,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "model")
 
 
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with local_cluster(num_cpus=3, object_store_memory=100 * 1024 * 1024, include_dashboard=False):
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            serve.shutdown()
+base_url = serve_url_fixture(num_cpus=3)
 
 
 def deploy(model: Path, **options: object) -> None:

@@ -6,7 +6,6 @@ prefix-cache hit rate of Serve's `pow2` (measured by the server's own usage.prom
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -16,8 +15,7 @@ from ray import serve
 from cluster.bench.serve import make_prefix_group_prompts
 from cluster.serve.routing import choose_by_prefix, prefix_hits
 from cluster.serve_app import build_app
-from tests.cluster.local_ray_cluster import local_cluster
-from tests.cluster.remote_server import free_port
+from tests.cluster.local_ray_cluster import serve_url_fixture
 from tests.model.tiny_models import write_tiny_model
 
 APP = "raypage"
@@ -36,15 +34,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "model")
 
 
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with local_cluster(num_cpus=3, object_store_memory=100 * 1024 * 1024, include_dashboard=False):
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            serve.shutdown()
+base_url = serve_url_fixture(num_cpus=3)
 
 
 def hit_rate(base_url: str, model: Path, policy: str) -> float:

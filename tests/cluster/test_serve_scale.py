@@ -17,8 +17,7 @@ from ray import serve
 
 from cluster.serve_app import build_app
 from engine import LLM, SamplingParams
-from tests.cluster.local_ray_cluster import local_cluster
-from tests.cluster.remote_server import free_port
+from tests.cluster.local_ray_cluster import serve_on_local_cluster
 from tests.model.tiny_models import write_tiny_model
 
 # The short look-back below is this test's choice (Serve warns that it is shorter than a deprecated default).
@@ -74,9 +73,7 @@ def base_url(models: dict[str, Path]) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as env:
         for key, value in METRIC_PUSH_ENV.items():
             env.setenv(key, value)
-        with local_cluster(num_cpus=4, object_store_memory=100 * 1024 * 1024, include_dashboard=False):
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+        with serve_on_local_cluster(num_cpus=4) as url:
             args = {
                 "ingress": "separate",
                 "ingress_cpus": 0.5,
@@ -94,10 +91,9 @@ def base_url(models: dict[str, Path]) -> Iterator[str]:
             }
             serve.run(build_app(args), name=APP, route_prefix="/")
             try:
-                yield f"http://127.0.0.1:{port}"
+                yield url
             finally:
                 serve.delete(APP)
-                serve.shutdown()
 
 
 @pytest.fixture(scope="module")
