@@ -141,6 +141,7 @@ def check_backends(
     reports why instead. Real sizes: Llama-3-8B's 32 heads over 8 KV heads of 128, 64 decodes of
     1-4k context, a fresh 2k prefill and a 512-token chunk over a 1k prefix."""
     from kernels.attention import get_attention_backend
+    from kernels.attention.flash_attn import FLASH_ATTN_PAGE_MULTIPLE
     from kernels.attention.random_batch import random_paged_batch
     from kernels.attention.reference import reference_attention
 
@@ -153,7 +154,8 @@ def check_backends(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results: dict[str, dict[str, Any]] = {}
     for name in names:
-        block_size = 256 if name == "flash_attn" else 16
+        # flash-attn pages the cache only in multiples of 256 tokens; the others take the default 16.
+        block_size = FLASH_ATTN_PAGE_MULTIPLE if name == "flash_attn" else 16
         try:
             backend = get_attention_backend(name, device, block_size)
         except (ValueError, RuntimeError) as exc:
