@@ -130,11 +130,24 @@ def test_mixed_batch_through_the_backend_matches_reference(dtype):
 
 @needs_kernels
 def test_many_decodes_through_the_backend_match_the_sdpa_backend():
-    specs = [(context, 1) for context in range(40, 0, -3)] + [(9, 5)]
+    specs = [(context, 1) for context in range(40, 0, -3)]
     q, k, v, cache, meta, _ = build_batch(specs, num_blocks=256, dtype=torch.bfloat16)
     expected = sdpa_attention(q, k, v, cache.clone(), meta, DIM**-0.5)
     # Same roundings as the torch path (scores and probabilities to bf16): only summation order differs.
     torch.testing.assert_close(cpu_paged_attention(q, k, v, cache, meta, DIM**-0.5), expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefill_chunks_over_cached_context_match_reference(dtype):
+    # Prefill rows run through the decode kernel, each ending at its own position: fresh prompts,
+    # chunks after a cached context of whole and partial blocks, and decodes, in one batch.
+    specs = [(70, 1), (3, 1), (0, 130), (100, 37), (16, 16), (5, 2)]
+    q, k, v, cache, meta, _ = build_batch(specs, num_blocks=256, dtype=dtype)
+    expected = reference_attention(q, k, v, cache.clone(), meta, DIM**-0.5)
+    out = cpu_paged_attention(q, k, v, cache, meta, DIM**-0.5)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
 
 @needs_kernels
