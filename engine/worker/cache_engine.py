@@ -7,6 +7,7 @@ import torch
 
 from engine.outputs import SchedulerOutput
 from kernels.cache_ops import copy_blocks, swap_blocks
+from kernels.huge_pages import zeros_on_huge_pages
 
 
 class CacheEngine:
@@ -23,9 +24,12 @@ class CacheEngine:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Zeroed, not empty: padded reads of never-written slots must not meet NaN garbage.
+        # Zeroed, not empty: padded reads of never-written slots must not meet NaN garbage. On huge
+        # pages where the host allows: decode attention reads blocks scattered across the whole cache.
         self.kv_caches = {
-            layer: torch.zeros(2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+            layer: zeros_on_huge_pages(
+                2, kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device
+            )
             for layer, (kv_heads, head_dim) in layer_specs.items()
         }
         # Empty is safe here: a host block is always written by a swap-out before a swap-in reads it.

@@ -192,6 +192,18 @@ RAYPAGE_INLINE void prefetch(const T* data, int64_t elems) {
   }
 }
 
+// How far ahead pass 1 prefetches keys, in blocks. A row comes from DRAM (the cache of every layer
+// does not fit in L3) in far longer than one block's scores take, so several blocks must be in flight
+// at once to keep the core's outstanding misses busy.
+constexpr int64_t kKeysAhead = 4;
+// How far ahead pass 1 prefetches values into L2, in blocks: pass 2 then finds them there.
+constexpr int64_t kValuesAhead = 2;
+
+// One work item: a sequence, one of its KV heads, and how many tokens it attends to.
+struct WorkItem {
+  int64_t s, h, len;
+};
+
 // Where one call's rows lie: the strides and base pointers every work item reads through.
 template <typename T>
 struct Layout {
@@ -235,6 +247,13 @@ struct Layout {
                                     int64_t ahead = 1) const {
     if (t0 + ahead * block_size < len) prefetch<kLocality>(rows(cache, s, h, t0 + ahead * block_size), block_elems);
   }
+  // The blocks an item's pass 1 begins with: kKeysAhead of keys, kValuesAhead of values (to L2).
+  RAYPAGE_INLINE void prefetch_start(const WorkItem& item) const {
+    for (int64_t ahead = 0; ahead < kKeysAhead; ++ahead) prefetch_next(k_data, item.s, item.h, 0, item.len, ahead);
+    for (int64_t ahead = 0; ahead < kValuesAhead; ++ahead) {
+      prefetch_next<2>(v_data, item.s, item.h, 0, item.len, ahead);
+    }
+  }
 };
 
 // Per-thread scratch, kept across calls: a layer's call would otherwise allocate it again each time.
@@ -245,8 +264,10 @@ E* scratch(int64_t n) {
   return buffer.data();
 }
 
-// Checks every sequence's length, then runs attend(s, h, len, max_len) for each (sequence, KV head)
-// pair on the intra-op threads.
+// Checks every sequence's length, then runs attend(item, next, max_len) for each (sequence, KV head)
+// pair on the intra-op threads. Each thread claims its next item before it starts the current one
+// and passes it along (`next`, nullptr at the end), so that the next item's first blocks are fetched
+// while this one finishes; claims stay dynamic, so a thread holds back at most one item.
 template <typename Attend>
 void for_each_item(const at::Tensor& seq_lens, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
                    Attend attend) {
@@ -263,17 +284,28 @@ void for_each_item(const at::Tensor& seq_lens, int64_t num_kv_heads, int64_t blo
   const int64_t num_items = num_seqs * num_kv_heads;
   std::atomic<int64_t> next_item{0};
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  const auto work_item = [&](int64_t index) {
+    const int64_t s = index / num_kv_heads;
+    return WorkItem{s, index % num_kv_heads, lens_data[s * lens_stride]};
+  };
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-    for (int64_t item = next_item++; item < num_items; item = next_item++) {
-      const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-      attend(s, h, lens_data[s * lens_stride], max_len);
+    int64_t index = next_item++;
+    if (index >= num_items) return;
+    WorkItem item = work_item(index);
+    for (;;) {
+      const int64_t next_index = next_item++;
+      if (next_index >= num_items) return attend(item, nullptr, max_len);
+      const WorkItem next = work_item(next_index);
+      attend(item, &next, max_len);
+      item = next;
     }
   });
 }
 
 // Any dtype, head size and group: rows widened to float32, one dot product per (key, query head).
 template <typename T>
-void attend_widened(const Layout<T>& L, int64_t s, int64_t h, int64_t len, int64_t max_len, float scale) {
+void attend_widened(const Layout<T>& L, const WorkItem& item, const WorkItem* next, int64_t max_len, float scale) {
+  const int64_t s = item.s, h = item.h, len = item.len;
   const int64_t group = L.group, head_dim = L.head_dim, block_size = L.block_size;
   float* q = scratch<float>(2 * group * head_dim + head_dim + group * max_len);
   float* acc = q + group * head_dim;
@@ -290,6 +322,7 @@ void attend_widened(const Layout<T>& L, int64_t s, int64_t h, int64_t len, int64
     }
   }
   prefetch(L.rows(L.v_data, s, h, 0), L.block_elems);
+  if (next) L.prefetch_start(*next);
   for (int64_t g = 0; g < group; ++g) {
     float* p = &scores[g * max_len];
     round_scaled<T>(p, len, 1.f, scale);  // a bf16 matmul's output, scaled in float32
@@ -340,8 +373,10 @@ inline __m512bh load_bf16x32(const c10::BFloat16* p) { return (__m512bh)_mm512_l
 // t's element with token t+1's, against the pair of probabilities broadcast. The interleave permutes
 // the head dimension inside each 128-bit lane; the output undoes it once.
 template <int kChunks, int kGroup>
-void attend_bf16(const Layout<c10::BFloat16>& L, int64_t s, int64_t h, int64_t len, int64_t max_len, float scale) {
+void attend_bf16(const Layout<c10::BFloat16>& L, const WorkItem& item, const WorkItem* next, int64_t max_len,
+                 float scale) {
   using bf16 = c10::BFloat16;
+  const int64_t s = item.s, h = item.h, len = item.len;
   constexpr int64_t head_dim = 32 * kChunks;
   const int64_t block_size = L.block_size, p_stride = max_len + 2;  // room for a zero after an odd length
   float* scores = scratch<float>(kGroup * max_len);
@@ -355,12 +390,11 @@ void attend_bf16(const Layout<c10::BFloat16>& L, int64_t s, int64_t h, int64_t l
   const __m512 scale16 = _mm512_set1_ps(scale);
   // Pass 1: scores, 16 keys of a block at a time. Rows past `len` in the last block are read (they
   // lie inside the block) but their scores are never stored.
-  // Keys two blocks ahead: one block's scores take less time than a row takes to come from memory.
-  // Each block's values go to L2 meanwhile, so that pass 2 finds them there.
-  for (int64_t ahead = 0; ahead < 2; ++ahead) L.prefetch_next(L.k_data, s, h, 0, len, ahead);
+  // The first blocks were prefetched during the previous item, except for a thread's first item.
+  L.prefetch_start(item);
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    L.prefetch_next(L.k_data, s, h, t0, len, 2);
-    L.template prefetch_next<2>(L.v_data, s, h, t0, len, 0);
+    L.prefetch_next(L.k_data, s, h, t0, len, kKeysAhead);
+    L.template prefetch_next<2>(L.v_data, s, h, t0, len, kValuesAhead);
     const bf16* keys = L.rows(L.k_data, s, h, t0);
     for (int64_t j0 = 0; j0 < std::min(block_size, len - t0); j0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - t0 - j0);
@@ -380,6 +414,8 @@ void attend_bf16(const Layout<c10::BFloat16>& L, int64_t s, int64_t h, int64_t l
     }
   }
   prefetch(L.rows(L.v_data, s, h, 0), L.block_elems);
+  // The next item's first blocks, while the softmax and pass 2 work from the caches.
+  if (next) L.prefetch_start(*next);
   for (int g = 0; g < kGroup; ++g) {
     float* p = scores + g * max_len;
     const __m512 inverse = _mm512_set1_ps(1.f / exp_shifted(p, len, _mm512_reduce_max_ps(peak[g])));
@@ -440,7 +476,7 @@ void attend_bf16(const Layout<c10::BFloat16>& L, int64_t s, int64_t h, int64_t l
   }
 }
 
-using Bf16Attend = void (*)(const Layout<c10::BFloat16>&, int64_t, int64_t, int64_t, int64_t, float);
+using Bf16Attend = void (*)(const Layout<c10::BFloat16>&, const WorkItem&, const WorkItem*, int64_t, float);
 
 template <int kChunks>
 Bf16Attend bf16_for_group(int64_t group) {
@@ -477,11 +513,15 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (const Bf16Attend attend = bf16_kernel(L.head_dim, L.group, L.block_size)) {
-      return items([&](int64_t s, int64_t h, int64_t len, int64_t max_len) { attend(L, s, h, len, max_len, scale); });
+      return items([&](const WorkItem& item, const WorkItem* next, int64_t max_len) {
+        attend(L, item, next, max_len, scale);
+      });
     }
   }
 #endif
-  items([&](int64_t s, int64_t h, int64_t len, int64_t max_len) { attend_widened(L, s, h, len, max_len, scale); });
+  items([&](const WorkItem& item, const WorkItem* next, int64_t max_len) {
+    attend_widened(L, item, next, max_len, scale);
+  });
 }
 
 void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
