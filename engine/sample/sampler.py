@@ -32,6 +32,7 @@ __all__ = [
     "SamplingMetadata",
     "apply_top_k_top_p",
     "compute_logprobs",
+    "greedy_tokens",
 ]
 
 
@@ -74,6 +75,33 @@ def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logpro
     )
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row ([rows, vocab] -> [rows] int64), ties to the lowest token id.
+
+    On the CPU this is `max(dim).indices`, not `argmax`: torch vectorizes the former for bf16 and
+    float16 but not the latter (64 × 49,152 bf16 logits: 2.6 ms against 11.2 ms on one thread, and
+    against 3.1 ms for a float32 copy and its argmax). Both take the first of equal maxima, and NaN
+    as the maximum (tests/unit/test_sampler.py checks both against plain Python).
+    """
+    if logits.is_cpu:
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
+def _is_plain_greedy(meta: SamplingMetadata) -> bool:
+    """Every row greedy, and nothing (log-probabilities, min_tokens, logit bias, penalties) that
+    needs the logits processed or widened to float32 first."""
+    return (
+        meta.all_greedy
+        and meta.max_num_logprobs is None
+        and not meta.min_tokens
+        and not meta.logit_bias
+        and meta.repetition_penalties is None
+        and meta.frequency_penalties is None
+        and meta.presence_penalties is None
+    )
+
+
 class Sampler:
     """Turns a batch of logits into one token per row (and its logprobs when asked for)."""
 
@@ -82,8 +110,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` ([rows, vocab]) under the rows' settings in `meta`."""
-        # Widened first even for greedy rows: torch's bf16 argmax is not vectorized, and the copy
-        # plus a float32 argmax take a third of its time (3.2 against 11.2 ms for 64 × 49152).
+        if _is_plain_greedy(meta):
+            return SamplerOutput(greedy_tokens(logits), None)
+        # Widened first: the processors and the softmax work in float32.
         logits = logits.float()
         # vLLM's default "raw_logprobs": what the model said, before any processing.
         raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
@@ -96,7 +125,7 @@ class Sampler:
         return SamplerOutput(sampled, _gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs))
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+        greedy = greedy_tokens(logits)
         if meta.all_greedy:
             return greedy
         is_greedy = meta.temperature < GREEDY_TEMPERATURE

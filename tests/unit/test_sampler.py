@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.sample.metadata import SamplingMetadata, build_sampling_metadata
-from engine.sample.sampler import Sampler, apply_top_k_top_p
+from engine.sample.sampler import Sampler, apply_top_k_top_p, greedy_tokens
 from engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
@@ -97,6 +97,34 @@ def test_greedy_on_bf16_logits_takes_the_first_largest_even_among_ties():
     logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 3.0, 3.0], [-2.0, -2.5, -1.0, -1.5]])
     expected = [max(range(4), key=lambda i, row=row: (row[i], -i)) for row in logits.tolist()]
     assert sample(logits.bfloat16(), [SamplingParams(temperature=0.0)] * 3) == expected == [1, 0, 2]
+
+
+def _first_largest(row: list[float]) -> int:
+    """The plain-Python greedy choice: the first NaN if any (torch's argmax takes NaN as largest),
+    else the first of the largest values."""
+    nans = [i for i, value in enumerate(row) if math.isnan(value)]
+    return nans[0] if nans else max(range(len(row)), key=lambda i: (row[i], -i))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_tokens_take_the_first_largest_at_vocabulary_scale(dtype, threads):
+    """The CPU's `max(dim).indices` path, on full-size rows with many ties, an all -inf row and NaNs."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (9, 49152), generator=generator).to(dtype)  # about 7,000 ties per row
+    logits[1] = float("-inf")
+    logits[2, [17, 30000]] = float("nan")
+    logits[3] = 1.0
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tokens = greedy_tokens(logits)
+        mixed = sample(logits, [SamplingParams(temperature=0.0)] * 8 + [SamplingParams(temperature=1.0)])
+    finally:
+        torch.set_num_threads(saved)
+    expected = [_first_largest(row) for row in logits.float().tolist()]
+    assert tokens.tolist() == expected
+    assert mixed[:8] == expected[:8]  # greedy rows beside a random one take the processed path
 
 
 def test_sampling_does_not_modify_the_callers_logits():
