@@ -23,7 +23,8 @@ BLOCK_SIZE = 16
 # 64 blocks per replica; each request holds its prefix's 6 blocks and one more (suffix and output).
 ENGINE = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64, "block_size": BLOCK_SIZE}
 GROUPS, REQUESTS_PER_GROUP = 14, 8
-PREFIX_TOKENS, SUFFIX_TOKENS, MAX_TOKENS = 6 * BLOCK_SIZE, 8, 8
+# One output token: the hit rate counts prompt tokens only, and decode steps would only add time.
+PREFIX_TOKENS, SUFFIX_TOKENS, MAX_TOKENS = 6 * BLOCK_SIZE, 8, 1
 # One round of the 14 groups needs 14 x 7 = 98 blocks: more than one replica's 64, less than both's
 # 128. Split by group (7 each: 49 blocks), every replica keeps its groups' prefixes until they come
 # back; spread at random, a prefix comes back to a replica that has seen the other 13 since.

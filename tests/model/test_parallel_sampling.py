@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, BeamSearchParams, SamplingParams
+from tests.model.tiny_models import write_tiny_model
 
 PROMPT = "Write one sentence about the history of the printing press in Europe and its effects on"
 SEEDED = SamplingParams(n=4, temperature=1.0, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True)
@@ -13,6 +14,18 @@ SEEDED = SamplingParams(n=4, temperature=1.0, top_p=0.95, seed=11, max_tokens=20
 @pytest.fixture(scope="module")
 def llm():
     return LLM(dtype="float32", num_kv_blocks=256, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny Llama with SmolLM2's tokenizer: the same prompts take the same blocks as on SmolLM2, so
+    the swap tests put the cache under the same pressure at a fraction of the compute."""
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def tight_llm(model: str) -> LLM:
+    """14 blocks of 16 tokens: too few for the swap tests' sequences at once."""
+    return LLM(model, dtype="float32", num_kv_blocks=14, block_size=16, swap_space=0.01)
 
 
 def scheduler_of(llm):
@@ -96,14 +109,15 @@ def test_best_of_returns_the_n_most_likely_of_its_samples(llm):
         )
 
 
-def test_swap_preemption_keeps_outputs_and_frees_every_block(llm):
+def test_swap_preemption_keeps_outputs_and_frees_every_block(tiny_model):
     prompts = [PROMPT, "Tell me about rivers and mountains, briefly.", "List some animals:"]
     params = [SEEDED, SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=24, ignore_eos=True), SEEDED]
     beams = BeamSearchParams(beam_width=3, max_tokens=12)
-    expected = token_ids_all(llm.generate(prompts, params, use_tqdm=False))
-    expected_beams = [s.tokens for s in llm.beam_search(prompts[1], beams)[0].sequences]
+    roomy = LLM(tiny_model, dtype="float32", num_kv_blocks=256, block_size=16)
+    expected = token_ids_all(roomy.generate(prompts, params, use_tqdm=False))
+    expected_beams = [s.tokens for s in roomy.beam_search(prompts[1], beams)[0].sequences]
 
-    tight = LLM(dtype="float32", num_kv_blocks=14, block_size=16, swap_space=0.01)
+    tight = tight_llm(tiny_model)
     assert token_ids_all(tight.generate(prompts, params, use_tqdm=False)) == expected
     assert [s.tokens for s in tight.beam_search(prompts[1], beams)[0].sequences] == expected_beams
     scheduler = scheduler_of(tight)
@@ -117,8 +131,8 @@ def token_ids_all(outputs) -> list[list[list[int]]]:
     return [token_ids(output) for output in outputs]
 
 
-def test_swap_happens_under_pressure(monkeypatch):
-    tight = LLM(dtype="float32", num_kv_blocks=14, block_size=16, swap_space=0.01)
+def test_swap_happens_under_pressure(tiny_model, monkeypatch):
+    tight = tight_llm(tiny_model)
     schedules = record_schedules(tight, monkeypatch)
     tight.generate([PROMPT, PROMPT + " Europe"], SEEDED, use_tqdm=False)
     swapped_out = sum(len(s.blocks_to_swap_out) for s in schedules)
