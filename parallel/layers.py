@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.comm import tensor_parallel_all_gather, tensor_parallel_all_reduce
-from parallel.onednn import can_prepack, linear, prepack_weight
+from parallel.cpu_linear import WeightForm, best_weight_form, linear, prepare_weight
 from parallel.state import get_parallel_state
 
 WeightLoader = Callable[..., None]
@@ -54,18 +54,20 @@ class _TensorParallelModule(nn.Module):
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
 
 
-class _PrepackableLinear(_TensorParallelModule):
-    """A linear layer whose loaded weight can be swapped for oneDNN's prepacked copy (see onednn.py)."""
+class _PreparableLinear(_TensorParallelModule):
+    """A linear layer whose loaded weight can be kept in the form this CPU multiplies by fastest
+    (see cpu_linear.py)."""
 
     weight: nn.Parameter
 
-    def prepack(self) -> None:
-        """Replace the weight by its prepacked copy, where oneDNN supports its dtype; call after loading."""
-        if can_prepack(self.weight):
-            self.weight = nn.Parameter(prepack_weight(self.weight), requires_grad=False)
+    def prepare(self, form: WeightForm | None = None) -> None:
+        """Keep the weight in `form` (by default this machine's fastest for it); call after loading."""
+        form = form or best_weight_form(self.weight)
+        if form is not WeightForm.PLAIN:
+            self.weight = nn.Parameter(prepare_weight(self.weight, form), requires_grad=False)
 
 
-class ColumnParallelLinear(_PrepackableLinear):
+class ColumnParallelLinear(_PreparableLinear):
     """y = x W^T + b with W split by output rows; each rank returns its slice of y."""
 
     def __init__(
@@ -155,7 +157,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
 
-class RowParallelLinear(_PrepackableLinear):
+class RowParallelLinear(_PreparableLinear):
     """y = x W^T + b with W split by input columns; the partial sums are all-reduced."""
 
     def __init__(
@@ -209,21 +211,23 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     is_tied = False  # whether the weight is the embedding's own (tie_word_embeddings)
 
-    # A prepacked copy of a weight tied to the embedding, whose lookups need the plain table.
+    # A prepared copy of a weight tied to the embedding, whose lookups need the plain table.
     tied_logits_weight: torch.Tensor | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
         self.is_tied = True
 
-    def prepack(self) -> None:
-        """Prepack the weight in place, or into a copy when the embedding shares it."""
-        if not can_prepack(self.weight):
+    def prepare(self, form: WeightForm | None = None) -> None:
+        """Keep the weight in `form` (by default this machine's fastest for it), or a copy in that
+        form when the embedding shares it."""
+        form = form or best_weight_form(self.weight)
+        if form is WeightForm.PLAIN:
             return
         if self.is_tied:
-            self.tied_logits_weight = prepack_weight(self.weight)
+            self.tied_logits_weight = prepare_weight(self.weight, form)
         else:
-            self.weight = nn.Parameter(prepack_weight(self.weight), requires_grad=False)
+            self.weight = nn.Parameter(prepare_weight(self.weight, form), requires_grad=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.tied_logits_weight is None else self.tied_logits_weight
@@ -231,8 +235,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits[..., : self.num_embeddings]
 
 
-def prepack_linear_weights(model: nn.Module) -> None:
-    """Prepack every linear weight of a loaded model that oneDNN can run prepacked."""
+def prepare_linear_weights(model: nn.Module, form: WeightForm | None = None) -> None:
+    """Keep every linear weight of a loaded model in `form`, by default this machine's fastest."""
     for module in model.modules():
-        if isinstance(module, (_PrepackableLinear, ParallelLMHead)):
-            module.prepack()
+        if isinstance(module, (_PreparableLinear, ParallelLMHead)):
+            module.prepare(form)

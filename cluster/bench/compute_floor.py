@@ -15,7 +15,7 @@ import time
 import torch
 
 from engine.models.arch_config import ArchConfig
-from parallel.onednn import can_prepack, linear, prepack_weight
+from parallel.cpu_linear import best_weight_form, linear, prepare_weight
 
 # The timed matmul: a prefill-sized batch through the widest projection (gate and up).
 RATE_ROWS = 512
@@ -60,12 +60,11 @@ def run_flops(arch: ArchConfig, requests: list[tuple[int, int, int]]) -> int:
 def measured_matmul_rate(arch: ArchConfig, dtype: torch.dtype) -> float:
     """Best FLOP/s of the model's widest projection on a prefill-sized batch, on this machine now."""
     weight = torch.randn(2 * arch.intermediate_size, arch.hidden_size).to(dtype)
-    if can_prepack(weight):
-        weight = prepack_weight(weight)
+    weight = prepare_weight(weight, best_weight_form(weight))
     x = torch.randn(RATE_ROWS, arch.hidden_size).to(dtype)
     best = float("inf")
     with torch.inference_mode():
-        linear(x, weight)  # the first call pays for oneDNN's kernel selection
+        linear(x, weight)  # the first call pays for kernel selection
         for _ in range(RATE_REPEATS):
             start = time.perf_counter()
             linear(x, weight)

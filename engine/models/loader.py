@@ -14,7 +14,7 @@ from torch import nn
 from engine.models.arch_config import ArchConfig
 from engine.models.model_files import ModelSource
 from engine.models.registry import get_model_class
-from parallel.layers import prepack_linear_weights
+from parallel.layers import prepare_linear_weights
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,6 @@ def load_model(
     with torch.device(device):
         model = model_class(arch, dtype, pipeline_partition)
     model.load_weights(iterate_weights(source))
-    prepack_linear_weights(model)
+    prepare_linear_weights(model)
     logger.info("loaded %s (%s, %s) from %s", arch.architecture, dtype, device, source.path)
     return model.eval()
