@@ -637,12 +637,22 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
   }
 }
 
+// Whether attend_bf16 was compiled in: this CPU multiplies bf16 pairs natively (AVX-512 BF16).
+bool has_bf16_dot_product() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(raypage, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
       "Tensor seq_lens, float scale) -> ()");
+  m.def("has_bf16_dot_product() -> bool", &has_bf16_dot_product);
 }
 
 TORCH_LIBRARY_IMPL(raypage, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

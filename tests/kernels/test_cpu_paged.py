@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, get_attention_backend
+from kernels.attention import AttentionMetadata, cpu_paged, get_attention_backend
 from kernels.attention.cpu_paged import cpu_paged_attention
 from kernels.attention.reference import reference_attention
 from kernels.attention.sdpa import sdpa_attention
@@ -138,10 +138,13 @@ def test_many_decodes_through_the_backend_match_the_sdpa_backend():
 
 
 @needs_kernels
+@pytest.mark.parametrize("through_kernel", [True, False], ids=["kernel", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_prefill_chunks_over_cached_context_match_reference(dtype):
-    # Prefill rows run through the decode kernel, each ending at its own position: fresh prompts,
-    # chunks after a cached context of whole and partial blocks, and decodes, in one batch.
+def test_long_prefill_chunks_over_cached_context_match_reference(dtype, through_kernel, monkeypatch):
+    # Fresh prompts, chunks after a cached context of whole and partial blocks, and decodes, in one
+    # batch; the prefill rows either through the decode kernel, each ending at its own position, or
+    # through SDPA per chunk, whichever this CPU would not pick by itself too.
+    monkeypatch.setattr(cpu_paged, "prefills_through_kernel", lambda dtype: through_kernel)
     specs = [(70, 1), (3, 1), (0, 130), (100, 37), (16, 16), (5, 2)]
     q, k, v, cache, meta, _ = build_batch(specs, num_blocks=256, dtype=dtype)
     expected = reference_attention(q, k, v, cache.clone(), meta, DIM**-0.5)
