@@ -64,7 +64,9 @@ class RemoteServer:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
+            # A refused connection costs next to nothing; polling every 0.5 s added a quarter of a
+            # second on average to each of the suite's server start-ups.
+            time.sleep(0.1)
         raise TimeoutError(f"the server was not ready in {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, num_chars: int = 4000) -> str:

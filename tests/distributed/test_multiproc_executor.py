@@ -58,10 +58,13 @@ def test_backend_choice():
     assert Executor.get_class(ray_config) is RayDistributedExecutor
 
 
-def test_mp_greedy_outputs_equal_uni():
-    uni = LLM(**SETTINGS, distributed_executor_backend="uni")
+def test_mp_greedy_outputs_equal_uni(tiny_model: Path):
+    # The tiny model: what is compared is the executor's plumbing, not the weights (SmolLM2's GGUF
+    # is loaded by worker processes in test_parallel_model.py); it has no EOS, so every output is
+    # full length.
+    uni = LLM(str(tiny_model), **SETTINGS, distributed_executor_backend="uni")
     expected = [out.outputs[0].token_ids for out in uni.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    mp = LLM(**SETTINGS, distributed_executor_backend="mp")
+    mp = LLM(str(tiny_model), **SETTINGS, distributed_executor_backend="mp")
     try:
         got = [out.outputs[0].token_ids for out in mp.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:

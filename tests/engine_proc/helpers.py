@@ -6,7 +6,8 @@ import os
 import time
 from collections.abc import Callable
 
-# Small and exact: float32 for token-identical greedy outputs, a small fixed KV cache.
+# Small and exact: float32 for token-identical greedy outputs, a small fixed KV cache (the model is
+# conftest.py's `engine_settings`).
 SETTINGS = {"dtype": "float32", "num_kv_blocks": 64}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 

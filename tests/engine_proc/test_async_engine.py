@@ -22,7 +22,7 @@ from engine.exceptions import EngineDeadError
 from engine.outputs import SchedulerStats
 from engine.stats import IterationStats
 
-from .helpers import SETTINGS, process_exists
+from .helpers import process_exists
 
 PROMPT = "Once upon a time"
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -45,8 +45,8 @@ def stat_logger():
 
 
 @pytest.fixture(scope="module")
-def engine(stat_logger):
-    engine = AsyncLLMEngine.from_config(EngineConfig.from_flat(**SETTINGS), stat_loggers=[stat_logger])
+def engine(stat_logger, engine_settings):
+    engine = AsyncLLMEngine.from_config(EngineConfig.from_flat(**engine_settings), stat_loggers=[stat_logger])
     yield engine
     engine.shutdown()
 
@@ -219,8 +219,8 @@ def test_stat_loggers_count_tokens_of_known_requests(engine, stat_logger):
     assert all(scheduler_stats is not None for scheduler_stats, _ in stat_logger.records)
 
 
-def test_killed_core_fails_pending_and_new_requests():
-    engine = AsyncLLMEngine.from_config(EngineConfig.from_flat(**SETTINGS))
+def test_killed_core_fails_pending_and_new_requests(engine_settings):
+    engine = AsyncLLMEngine.from_config(EngineConfig.from_flat(**engine_settings))
     pid = engine.engine_core.core_pid
     socket_dir = engine.engine_core.socket_dir
 

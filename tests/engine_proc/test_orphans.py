@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -9,30 +10,33 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import SETTINGS, process_is_running, wait_until
+from .helpers import process_is_running, wait_until
 
+# The engine's settings come as JSON in the first argument, how the front end ends in the second.
+# LLM is imported under the main guard: the spawned core runs this file's top level again.
 SCRIPT = textwrap.dedent(
-    f"""
-    import os, signal, sys
-    from engine import LLM
+    """
+    import json, os, signal, sys
 
     if __name__ == "__main__":
-        llm = LLM(multiprocess_mode=True, **{SETTINGS!r})
+        from engine import LLM
+
+        llm = LLM(multiprocess_mode=True, **json.loads(sys.argv[1]))
         client = llm.llm_engine.engine_core
         print(client.core_pid, client.socket_dir, flush=True)
-        if sys.argv[1] == "killed":
+        if sys.argv[2] == "killed":
             os.kill(os.getpid(), signal.SIGKILL)
     """
 )
 
 
 @pytest.mark.parametrize("how", ["exits", "killed"])
-def test_no_core_outlives_its_front_end(how, tmp_path):
+def test_no_core_outlives_its_front_end(how, tmp_path, engine_settings):
     script = tmp_path / "front_end.py"
     script.write_text(SCRIPT)
     # Exiting must not wait on the live core (interpreter exit stops it), nor hang.
     result = subprocess.run(
-        [sys.executable, str(script), how],
+        [sys.executable, str(script), json.dumps(engine_settings), how],
         capture_output=True,
         text=True,
         timeout=120,

@@ -172,8 +172,10 @@ class NetnsCluster:
         remove_leftovers()
         try:
             self._build_network()
-            for host in self.hosts.values():
-                self.start_node(host.name)
+            self.start_node(self.head.name)
+            # The other hosts join together: each `ray start` mostly waits for its own node's
+            # processes to come up, seconds that one after the other would add up.
+            self.start_node(*[name for name in self.hosts if name != self.head.name])
         except BaseException:
             self.teardown()
             raise
@@ -208,9 +210,18 @@ class NetnsCluster:
         self, host: str, argv: list[str], timeout: float, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess:
         """`argv` run on `host` to its end; its output (stdout and stderr) in `stdout`."""
-        process = self.popen(
+        return self._finish(host, self._start(host, argv, env), argv, timeout)
+
+    def _start(self, host: str, argv: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+        return self.popen(
             host, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or {}
         )
+
+    @staticmethod
+    def _finish(
+        host: str, process: subprocess.Popen, argv: list[str], timeout: float
+    ) -> subprocess.CompletedProcess:
+        """`process` (`argv` on `host`) waited for; its output in `stdout`."""
         try:
             output, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -219,8 +230,16 @@ class NetnsCluster:
             raise AssertionError(f"{argv} on {host} ran over {timeout} s:\n{output[-4000:]}") from None
         return subprocess.CompletedProcess(argv, process.returncode, output)
 
-    def start_node(self, name: str) -> None:
-        """`ray start` on host `name`: the head, or a node joining it."""
+    def start_node(self, *names: str) -> None:
+        """`ray start` on each host named, all at once: the head, or nodes joining it."""
+        commands = {name: self._ray_start_argv(name) for name in names}
+        running = {name: self._start(name, argv, self.ray_env) for name, argv in commands.items()}
+        for name, process in running.items():
+            started = self._finish(name, process, commands[name], timeout=120)
+            if started.returncode != 0:
+                raise RuntimeError(f"`ray start` on {name} failed:\n{started.stdout[-4000:]}")
+
+    def _ray_start_argv(self, name: str) -> list[str]:
         host = self.hosts[name]
         shutil.rmtree(host.temp_dir, ignore_errors=True)
         host.temp_dir.mkdir(parents=True)
@@ -233,9 +252,7 @@ class NetnsCluster:
             flags += ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false"]
         else:
             flags += ["--address", self.address]
-        started = self.run(name, [str(VENV_BIN / "ray"), "start", *flags], timeout=120, env=self.ray_env)
-        if started.returncode != 0:
-            raise RuntimeError(f"`ray start` on {name} failed:\n{started.stdout[-4000:]}")
+        return [str(VENV_BIN / "ray"), "start", *flags]
 
     def partition(self, name: str) -> None:
         """Cut host `name` off the network (its processes keep running). The host's own end of its
