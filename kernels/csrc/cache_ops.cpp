@@ -14,10 +14,30 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include <cstdint>
 #include <cstring>
 
 namespace {
+
+// One row to its slot. The slot's lines were last touched long ago (the cache is hundreds of
+// megabytes per layer), so an ordinary store first reads each line from memory, one miss after
+// another; streaming stores write whole lines without reading them (25 -> 7 us for a decode step's
+// 384 rows of 128 bytes). Rows that are not whole 16-byte units, or not aligned to them, are copied.
+inline void copy_row(char* dst, const char* src, int64_t bytes) {
+#if defined(__SSE2__)
+  if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+    for (int64_t i = 0; i < bytes; i += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    }
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
 
 // Tokens per parallel task: one token's rows are a few hundred bytes, so only a prefill chunk's
 // thousands of tokens are worth a second thread.
@@ -62,10 +82,13 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       for (int64_t kv = 0; kv < 2; ++kv) {
         for (int64_t h = 0; h < heads; ++h) {
           char* dst = cache + ((kv * heads + h) * num_slots + slot) * row_bytes;
-          std::memcpy(dst, sources[kv] + t * token_strides[kv] + h * head_strides[kv], row_bytes);
+          copy_row(dst, sources[kv] + t * token_strides[kv] + h * head_strides[kv], row_bytes);
         }
       }
     }
+#if defined(__SSE2__)
+    _mm_sfence();  // streaming stores are weakly ordered: done before the attention reads them
+#endif
   });
 }
 
