@@ -36,8 +36,9 @@ namespace {
 
 using namespace raypage::simd;
 
-// Rounds a float32 to the nearest value of T and back, ties to even, as storing a torch result in T
-// does. Written with integer operations for bf16 so that -O3 vectorizes the loops around it.
+// One element at a time, for each row's tail (whole rows without SIMD): rounds a float32 to the
+// nearest value of T and back, ties to even, as storing a torch result in T does, with integer
+// operations for bf16 so that -O3 can vectorize the loops around it.
 template <typename T>
 inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));

@@ -36,8 +36,9 @@ inline Vec load_floats(const c10::Half* p) {
 inline void store_floats(float* p, Vec x) { _mm512_storeu_ps(p, x); }
 // Stores lanes that already hold values of the narrower type (round_lanes' output): exact.
 inline void store_rounded(float* p, Vec x) { _mm512_storeu_ps(p, x); }
-inline void store_rounded(c10::BFloat16* p, Vec x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+inline void store_rounded(c10::BFloat16* p, Vec x) {  // the top halves, narrowed
+  const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
 }
 inline void store_rounded(c10::Half* p, Vec x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
