@@ -1,9 +1,9 @@
 """Compiles the C++ CPU kernels in kernels/csrc once, and loads them into the process.
 
 `python -m kernels.build` (a step of `make install`) compiles them ahead of time with
-`torch.utils.cpp_extension` into a folder named by the hash of the sources, the torch version and the
-compiler flags, inside the virtualenv (or ~/.cache/raypage/kernels outside one); later runs only load
-the compiled library. At run time `cpu_kernels_available()` loads it, compiling first if it is
+`torch.utils.cpp_extension` into a folder named by the hash of the sources and headers, the torch
+version and the compiler flags, inside the virtualenv (or ~/.cache/raypage/kernels outside one);
+later runs only load the compiled library. At run time `cpu_kernels_available()` loads it, compiling first if it is
 missing, and answers False with one log line when that fails (no compiler, no ninja): attention then
 stays on the plain torch path, and serving never fails for it.
 """
@@ -24,7 +24,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "cache_ops.cpp")]
+# Every header in csrc, hashed with the sources that include them: a change to one builds a new library.
+HEADERS = sorted(CSRC.glob("*.h"))
 # -march=native: the library is built on the machine that runs it; the CPU's feature flags are in the
 # hash, so a virtualenv copied to a different CPU builds its own instead of loading foreign code.
 # -fopenmp: at::parallel_for is an inline `#pragma omp parallel`, serial without it; the library then
@@ -44,7 +47,7 @@ def _cpu_features() -> str:
 
 def _library_name() -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join([torch.__version__, _cpu_features(), *CFLAGS]).encode())
     return f"raypage_cpu_kernels_{digest.hexdigest()[:16]}"

@@ -10,13 +10,31 @@ from __future__ import annotations
 
 import torch
 
+from kernels.build import cpu_kernels_available
+
 BLOCK_DIM = 2  # the dimension of a layer's cache that indexes blocks
 
 
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store this step's keys and values ([tokens, kv_heads, head_dim]) at their slots."""
+    """Store this step's keys and values ([tokens, kv_heads, head_dim]) at their slots.
+
+    On the CPU one C++ call (kernels/csrc/cache_ops.cpp) copies every row where two `index_copy_`
+    calls cost tens of microseconds each; it refuses a slot outside the cache with the slot named.
+    """
+    if kv_cache.is_cpu and key.is_cpu and cpu_kernels_available():
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+        if key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous():
+            torch.ops.raypage.reshape_and_cache(key, value, kv_cache, slot_mapping.long())
+            return
+    reshape_and_cache_torch(key, value, kv_cache, slot_mapping)
+
+
+def reshape_and_cache_torch(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """reshape_and_cache in torch operators: any device, and the reference attention's own path."""
     num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
     slots = kv_cache.view(2, num_kv_heads, -1, head_dim)
     slots[0].index_copy_(1, slot_mapping, key.transpose(0, 1).to(kv_cache.dtype))

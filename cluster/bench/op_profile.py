@@ -27,7 +27,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
             "aten::_softmax",
         ),
     ),
-    ("KV cache writes", ("aten::index_copy",)),
+    ("KV cache writes", ("aten::index_copy", "raypage::reshape_and_cache")),
     (
         "norms and rotary",
         (
@@ -40,8 +40,18 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
             "aten::cat",
         ),
     ),
-    ("activation (silu and mul)", ("aten::silu", "aten::mul")),
-    ("sampling", ("aten::argmax", "aten::topk", "aten::sort", "aten::log_softmax", "aten::cumsum")),
+    ("activation (silu and mul)", ("raypage::silu_and_mul", "aten::silu", "aten::mul")),
+    (
+        "sampling",
+        (
+            "raypage::argmax_rows",
+            "aten::argmax",
+            "aten::topk",
+            "aten::sort",
+            "aten::log_softmax",
+            "aten::cumsum",
+        ),
+    ),
     ("embedding", ("aten::embedding",)),
     ("other operators", ("",)),
 ]

@@ -9,14 +9,14 @@ import torch
 from torch import Tensor
 
 from kernels.attention.metadata import AttentionMetadata
-from kernels.cache_ops import gather_blocks, reshape_and_cache
+from kernels.cache_ops import gather_blocks, reshape_and_cache_torch
 
 
 def reference_attention(
     query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
 ) -> Tensor:
     """Causal attention of each new token over its sequence's cached context and itself."""
-    reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+    reshape_and_cache_torch(key, value, kv_cache, meta.slot_mapping)
     num_heads, num_kv_heads = query.shape[1], kv_cache.shape[1]
     out = torch.empty_like(query)
     for i in range(meta.num_seqs):

@@ -26,9 +26,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -46,138 +44,7 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
-// A thin per-ISA layer: a vector of kLanes floats (`Vec`) and the few operations the primitives
-// below are written with, once for every ISA. The library is compiled with -march=native, so the
-// widest one the CPU has is chosen here: AVX-512 (16 lanes), else AVX2 with FMA and F16C (8 lanes).
-// Without either, RAYPAGE_SIMD stays undefined and the primitives are plain loops (kLanes = 1),
-// which -O3 vectorizes as far as it can: not the float32 sums, without fast-math.
-#if defined(__AVX512F__)
-#define RAYPAGE_SIMD 1
-constexpr int64_t kLanes = 16;
-using Vec = __m512;
-
-inline Vec load_floats(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec load_floats(const c10::BFloat16* p) {  // bf16 is the top half of a float32
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline Vec load_floats(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline void store_floats(float* p, Vec x) { _mm512_storeu_ps(p, x); }
-inline Vec set1(float x) { return _mm512_set1_ps(x); }
-inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c, one rounding
-inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
-inline float reduce_add(Vec x) { return _mm512_reduce_add_ps(x); }
-inline Vec round_nearest(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-// The bits of a float32 as 32-bit integers, and back: bf16 rounding works on these.
-using IVec = __m512i;
-inline IVec bits_of(Vec x) { return _mm512_castps_si512(x); }
-inline Vec from_bits(IVec x) { return _mm512_castsi512_ps(x); }
-inline IVec iset1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
-inline IVec iadd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
-inline IVec iand(IVec a, IVec b) { return _mm512_and_si512(a, b); }
-inline IVec shift_right(IVec x, int bits) { return _mm512_srli_epi32(x, bits); }
-inline Vec round_half(Vec x) {  // float32 -> float16 -> float32, to nearest even
-  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-// y * 2^n for integral n (as float32s) no lower than kExpFloor / ln 2 rounds to, by `vscalefps`.
-inline Vec times_pow2(Vec y, Vec n) { return _mm512_scalef_ps(y, n); }
-// Where exp_lanes clamps its input: e^x underflows to zero below it.
-constexpr float kExpFloor = -88.3762626647949f;
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define RAYPAGE_SIMD 1
-constexpr int64_t kLanes = 8;
-using Vec = __m256;
-
-inline Vec load_floats(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec load_floats(const c10::BFloat16* p) {  // bf16 is the top half of a float32
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline Vec load_floats(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline void store_floats(float* p, Vec x) { _mm256_storeu_ps(p, x); }
-inline Vec set1(float x) { return _mm256_set1_ps(x); }
-inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }    // a * b + c, one rounding
-inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
-inline float reduce_add(Vec x) {  // halves folded: 8 -> 4 -> 2 -> 1
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
-}
-inline Vec round_nearest(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-using IVec = __m256i;
-inline IVec bits_of(Vec x) { return _mm256_castps_si256(x); }
-inline Vec from_bits(IVec x) { return _mm256_castsi256_ps(x); }
-inline IVec iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
-inline IVec iadd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
-inline IVec iand(IVec a, IVec b) { return _mm256_and_si256(a, b); }
-inline IVec shift_right(IVec x, int bits) { return _mm256_srli_epi32(x, bits); }
-inline Vec round_half(Vec x) {  // float32 -> float16 -> float32, to nearest even
-  return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-// y * 2^n for integral n (as float32s) of [-126, 127]. AVX2 has no scalef: 2^n is built from its
-// exponent bits, n + 127, which make a normal float32 only for n >= -126; kExpFloor keeps n there.
-inline Vec times_pow2(Vec y, Vec n) {
-  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
-}
-// ln(2^-126), so that round(x / ln 2) >= -126: inputs below it give 2^-126 (1.2e-38), not less. That
-// is negligible where exp_lanes serves, a softmax shifted by its peak: the peak's term e^0 = 1 is in
-// every sum, so the sum is unchanged in float32, and such a key's share of the output stays below
-// 1.2e-38 of its value row (AVX-512's floor of -88.38 leaves about 4e-39).
-constexpr float kExpFloor = -87.3365447505531f;
-#endif
-
-#if defined(RAYPAGE_SIMD)
-// x rounded to T's precision and widened back (the identity for float32).
-template <typename T>
-inline Vec round_lanes(Vec x);
-template <>
-inline Vec round_lanes<float>(Vec x) {
-  return x;
-}
-template <>
-inline Vec round_lanes<c10::BFloat16>(Vec x) {  // to nearest even, as c10::BFloat16(float) for finite x
-  const IVec bits = bits_of(x);
-  const IVec odd = iand(shift_right(bits, 16), iset1(1));
-  return from_bits(iand(iadd(bits, iadd(odd, iset1(0x7fff))), iset1(0xffff0000u)));
-}
-template <>
-inline Vec round_lanes<c10::Half>(Vec x) {
-  return round_half(x);
-}
-
-// e^x for x <= 0 within about 2 ulp: Cephes' expf (range reduction by ln 2, a degree-6 polynomial,
-// the exponent put back by times_pow2), kLanes at a time where std::exp takes one. Inputs below
-// kExpFloor count as kExpFloor.
-inline Vec exp_lanes(Vec x) {
-  x = max(x, set1(kExpFloor));
-  const Vec n = round_nearest(mul(x, set1(1.44269504088896341f)));
-  x = fnmadd(n, set1(0.693359375f), x);
-  x = fnmadd(n, set1(-2.12194440e-4f), x);
-  Vec y = set1(1.9875691500e-4f);
-  y = fmadd(y, x, set1(1.3981999507e-3f));
-  y = fmadd(y, x, set1(8.3334519073e-3f));
-  y = fmadd(y, x, set1(4.1665795894e-2f));
-  y = fmadd(y, x, set1(1.6666665459e-1f));
-  y = fmadd(y, x, set1(5.0000001201e-1f));
-  y = fmadd(y, mul(x, x), add(x, set1(1.f)));
-  return times_pow2(y, n);
-}
-#else
-constexpr int64_t kLanes = 1;
-#endif
+using namespace raypage::simd;  // the per-ISA vector layer (simd.h)
 
 // Five primitives carry all the arithmetic: widening a row of the cache to float32, a dot product,
 // acc += p * x, rounding to the cache dtype and the softmax's exponentials. Each runs kLanes floats

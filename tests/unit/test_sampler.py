@@ -14,6 +14,7 @@ import torch
 from engine.sample.metadata import SamplingMetadata, build_sampling_metadata
 from engine.sample.sampler import Sampler, apply_top_k_top_p, greedy_tokens
 from engine.sampling_params import SamplingParams
+from kernels.build import cpu_kernels_available
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 DRAWS = 20000
@@ -125,6 +126,36 @@ def test_greedy_tokens_take_the_first_largest_at_vocabulary_scale(dtype, threads
     expected = [_first_largest(row) for row in logits.float().tolist()]
     assert tokens.tolist() == expected
     assert mixed[:8] == expected[:8]  # greedy rows beside a random one take the processed path
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("vocab", [49152, 49157])
+def test_the_argmax_kernel_takes_the_first_largest_in_every_lane_and_tail(dtype, vocab):
+    """torch.ops.raypage.argmax_rows on full-size rows of distinct values whose maximum sits at
+    chosen places (the first column, a vector's last lane, the last column, the row's odd tail),
+    a NaN after the maximum and one in the last column, -0 tying +0, and rows 2 x vocab apart
+    (a view into wider logits)."""
+    generator = torch.Generator().manual_seed(vocab)
+    wide = (torch.rand(12, 2 * vocab, generator=generator) - 2).to(dtype)  # all negative: 0 is the peak
+    logits = wide[:, :vocab]
+    for row, column in enumerate([0, 15, 16, 31, 4095, vocab - 1, vocab - 3]):
+        logits[row, column] = 0.5
+    logits[7, 100], logits[7, 90] = float("nan"), 0.5
+    logits[8, vocab - 1] = float("nan")
+    logits[9, [40, 41]] = torch.tensor([-0.0, 0.0], dtype=dtype)
+    logits[10, [41, 40]] = torch.tensor([-0.0, 0.0], dtype=dtype)
+    logits[11] = float("-inf")
+    expected = [_first_largest(row) for row in logits.float().tolist()]
+    assert expected[:9] == [0, 15, 16, 31, 4095, vocab - 1, vocab - 3, 100, vocab - 1]
+    for threads in (1, 2):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            assert torch.ops.raypage.argmax_rows(logits).tolist() == expected
+            assert greedy_tokens(logits).tolist() == expected
+        finally:
+            torch.set_num_threads(saved)
 
 
 def test_sampling_does_not_modify_the_callers_logits():
