@@ -24,8 +24,8 @@
 //
 // Numerics are paged_attention.cpp's: products of bf16 pairs summed in float32 (the tiles' dot
 // products; only the order of the sum differs), scores rounded to bf16 and scaled in float32, the
-// softmax in float32, probabilities rounded to bf16 (to nearest even), PV summed in float32 and
-// rounded once. Software prefetching (of the next blocks, or of the next item during this one's
+// softmax in float32 (simd.h's exp_lanes), probabilities rounded to bf16 (to nearest even), PV
+// summed in float32 and rounded once. Software prefetching (of the next blocks, or of the next item during this one's
 // softmax) made no difference on the machine this was tuned on (a KVM Xeon, 2 cores): prefetches
 // wait for the same fill buffers as loads.
 
@@ -40,6 +40,8 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define RAYPAGE_AMX 1
 #include <immintrin.h>
@@ -50,6 +52,8 @@
 namespace {
 #if defined(RAYPAGE_AMX)
 using bf16 = c10::BFloat16;
+using raypage::simd::exp_lanes;  // with AVX-512, on __m512
+using raypage::simd::round_lanes;
 
 constexpr int64_t kRows = 16;        // rows of every tile: query rows, keys of S^T, key pairs of V
 constexpr int64_t kDepth = 32;       // bf16 values along a tile row (64 bytes): dims of Q and K, keys of P
@@ -84,26 +88,6 @@ void configure_tiles() {
   }
   tiles_see_stores();
   _tile_loadconfig(&config);
-}
-
-inline __m512 round_bf16(__m512 x) {  // to nearest even and widened back (bf16 is a float32's top half)
-  const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-}
-
-// e^x within about 2 ulp, as paged_attention.cpp's exp_lanes: Cephes' expf, 16 lanes at a time.
-inline __m512 exp_lanes(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(c));
-  }
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
 }
 
 // Where one call's rows lie.
@@ -328,12 +312,12 @@ inline void softmax_row(float* scores, bf16* probs, int64_t len, int64_t padded,
   const __mmask16 tail = static_cast<__mmask16>((1u << (len - full)) - 1);
   __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < full; t += 16) {  // a bf16 matmul's output, scaled in float32
-    const __m512 x = _mm512_mul_ps(round_bf16(_mm512_loadu_ps(scores + t)), scale16);
+    const __m512 x = _mm512_mul_ps(round_lanes<bf16>(_mm512_loadu_ps(scores + t)), scale16);
     _mm512_storeu_ps(scores + t, x);
     peak = _mm512_max_ps(peak, x);
   }
   if (tail) {
-    const __m512 x = _mm512_mul_ps(round_bf16(_mm512_maskz_loadu_ps(tail, scores + full)), scale16);
+    const __m512 x = _mm512_mul_ps(round_lanes<bf16>(_mm512_maskz_loadu_ps(tail, scores + full)), scale16);
     _mm512_storeu_ps(scores + full, x);
     peak = _mm512_mask_max_ps(peak, tail, peak, x);
   }
