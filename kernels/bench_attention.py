@@ -92,29 +92,10 @@ def paged_batch(
     return query, caches, meta
 
 
-def decode_layers(
-    decode: Callable[..., None],
-    out: torch.Tensor,
-    query: torch.Tensor,
-    caches: list[torch.Tensor],
-    meta: AttentionMetadata,
-) -> None:
-    """One decode step's attention: the same batch against every layer's cache in turn."""
+def every_layer(attend: Callable[[torch.Tensor], object], caches: list[torch.Tensor]) -> None:
+    """One step's attention: the same batch against every layer's cache in turn."""
     for cache in caches:
-        decode(out, query, cache, meta, SCALE)
-
-
-def prefill_layers(
-    attention: Callable[..., torch.Tensor],
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    caches: list[torch.Tensor],
-    meta: AttentionMetadata,
-) -> None:
-    """One step's attention, the new keys and values stored first, against every layer's cache in turn."""
-    for cache in caches:
-        attention(query, key, value, cache, meta, SCALE)
+        attend(cache)
 
 
 def paged_decode_in_place(
@@ -160,21 +141,21 @@ def time_batch(specs: list[tuple[int, int]], prefill: bool, args: argparse.Names
     num_blocks = args.num_blocks or (11650 if args.cold else 8192)
     query, caches, meta = paged_batch(specs, num_blocks, layers=layers, huge_pages=not args.small_pages)
     replaced = amx_serves(caches[0])
-    if prefill:
+    if prefill:  # whole steps: the new keys and values stored first, then attended with the rest
         key, value = torch.randn(2, query.shape[0], KV_HEADS, HEAD_DIM).to(torch.bfloat16)
         backends = {"sdpa": sdpa_attention, "cpu_paged": cpu_paged_attention}
         if replaced:
             backends["paged_decode"] = paged_decode_rows
-        calls = {
-            name: lambda f=f: prefill_layers(f, query, key, value, caches, meta)
-            for name, f in backends.items()
+        steps = {
+            name: lambda cache, f=f: f(query, key, value, cache, meta, SCALE) for name, f in backends.items()
         }
     else:
         out = torch.empty_like(query)
         backends = {"sdpa": decode_padded_runs, "cpu_paged": decode_in_place}
         if replaced:
             backends["paged_decode"] = paged_decode_in_place
-        calls = {name: lambda f=f: decode_layers(f, out, query, caches, meta) for name, f in backends.items()}
+        steps = {name: lambda cache, f=f: f(out, query, cache, meta, SCALE) for name, f in backends.items()}
+    calls = {name: lambda step=step: every_layer(step, caches) for name, step in steps.items()}
     return time_calls(calls, args.threads, args.rounds, layers)
 
 

@@ -25,9 +25,12 @@
 // Numerics are paged_attention.cpp's: products of bf16 pairs summed in float32 (the tiles' dot
 // products; only the order of the sum differs), scores rounded to bf16 and scaled in float32, the
 // softmax in float32 (simd.h's exp_lanes), probabilities rounded to bf16 (to nearest even), PV
-// summed in float32 and rounded once. Software prefetching (of the next blocks, or of the next item during this one's
-// softmax) made no difference on the machine this was tuned on (a KVM Xeon, 2 cores): prefetches
-// wait for the same fill buffers as loads.
+// summed in float32 and rounded once.
+//
+// No software prefetching: of the next blocks, of the next item's first blocks, or of all its
+// blocks spread over this item's softmax, none changed the time on the machine this was tuned on (a
+// 2-core KVM Xeon, where the cache's blocks come at the fill buffers' pace, prefetched or not), and
+// the last slowed the softmax by what it saved.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
