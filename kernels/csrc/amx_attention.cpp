@@ -30,7 +30,10 @@
 // No software prefetching: of the next blocks, of the next item's first blocks, or of all its
 // blocks spread over this item's softmax, none changed the time on the machine this was tuned on (a
 // 2-core KVM Xeon, where the cache's blocks come at the fill buffers' pace, prefetched or not), and
-// the last slowed the softmax by what it saved.
+// the last slowed the softmax by what it saved. Hand-written tile code rather than
+// at::native::cpublas::brgemm: a brgemm call of one tile's scores (16 x 16 x 64) or one P V step took
+// 120-135 ns here, against 20-45 ns for the tile instructions; loading a tile configuration (once per
+// thread and call) takes about 50 ns.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
