@@ -1,9 +1,17 @@
-"""Per-layer decode attention time: the C++ kernel over blocks in place against the sdpa backend's gather.
+"""Per-layer attention time of the CPU backends: the C++ kernels over blocks in place against the sdpa
+backend's gathers.
 
-    python -m kernels.bench_attention [--threads 2] [--rounds 7] [--cold [--layers 30] [--small-pages]]
+    python -m kernels.bench_attention [--threads 2] [--rounds 7] [--prefill] [--cold [--layers 30] [--small-pages]]
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), blocks of 16, a bf16 cache, blocks
-scattered at random; one batch of 64 sequences of 128-256 tokens and one of 128 sequences of 16-1024.
+scattered at random. Decodes (the default): one batch of 64 sequences of 128-256 tokens and one of
+128 sequences of 16-1024, through `decode_in_place` (`cpu_paged`) and `decode_padded_runs` (`sdpa`).
+`--prefill`: whole steps through each backend, keys and values stored first: 16 fresh prompts of
+128 tokens, 64 chunks of 32 after 384 cached tokens (a shared prefix), 4 prompts of 512, one chunk
+of 1024 after 1024, and 64 decodes with 8 prompts of 128.
+
+Where the AMX kernel serves (`cpu_paged` takes it), `paged_decode` times the kernel it replaced:
+`paged_decode_attention`, prefill rows as one-token sequences (`rows_as_sequences`).
 
 By default one layer's cache is attended over and over, so its few megabytes of used blocks stay in
 L3. `--cold` times what the engine sees instead: one cache per layer (`--layers`, SmolLM2 has 30) of
@@ -20,25 +28,35 @@ from collections.abc import Callable
 import torch
 from torch.utils import benchmark
 
-from kernels.attention.cpu_paged import decode_in_place
+from kernels.attention.cpu_paged import amx_serves, cpu_paged_attention, decode_in_place
 from kernels.attention.metadata import AttentionMetadata
-from kernels.attention.sdpa import decode_padded_runs
+from kernels.attention.sdpa import decode_padded_runs, sdpa_attention
 from kernels.build import cpu_kernels_available
+from kernels.cache_ops import reshape_and_cache
 from kernels.huge_pages import zeros_on_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+SCALE = HEAD_DIM**-0.5
+
+PREFILLS = {
+    "16 x 128 fresh": [(0, 128)] * 16,
+    "64 x (384 + 32)": [(384, 32)] * 64,
+    "4 x 512 fresh": [(0, 512)] * 4,
+    "1 x (1024 + 1024)": [(1024, 1024)],
+    "64 decodes of 192 + 8 x 128": [(191, 1)] * 64 + [(0, 128)] * 8,
+}
 
 
-def decode_batch(
-    seq_lens: list[int], num_blocks: int, seed: int = 0, layers: int = 1, huge_pages: bool = True
+def paged_batch(
+    specs: list[tuple[int, int]], num_blocks: int, seed: int = 0, layers: int = 1, huge_pages: bool = True
 ) -> tuple[torch.Tensor, list[torch.Tensor], AttentionMetadata]:
-    """Query rows, one random bf16 cache per layer and metadata for decodes of the given lengths (sorted
-    longest first). Every layer's cache holds the batch's blocks at the same ids, as the engine's do."""
+    """Query rows, one random bf16 cache per layer and metadata for (context, query_len) per sequence,
+    decodes first. Every layer's cache holds the batch's blocks at the same ids, as the engine's do."""
     gen = torch.Generator().manual_seed(seed)
-    seq_lens = sorted(seq_lens, reverse=True)
-    width = -(-seq_lens[0] // BLOCK)
+    seq_lens = [context + query_len for context, query_len in specs]
+    width = -(-max(seq_lens) // BLOCK)
     free = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    table = torch.zeros(len(specs), width, dtype=torch.long)
     used = 0
     for row, seq_len in enumerate(seq_lens):
         blocks = -(-seq_len // BLOCK)
@@ -53,62 +71,99 @@ def decode_batch(
         # Random rows only in the blocks the batch reads: the rest stay zero, as unwritten blocks are.
         cache[:, :, free[:used]] = torch.randn(2, KV_HEADS, used, BLOCK, HEAD_DIM, generator=gen).bfloat16()
         caches.append(cache)
-    query = torch.randn(len(seq_lens), HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    starts = [0]
+    for _, query_len in specs:
+        starts.append(starts[-1] + query_len)
+    slots = [
+        int(table[i, pos // BLOCK]) * BLOCK + pos % BLOCK
+        for i, (context, query_len) in enumerate(specs)
+        for pos in range(context, context + query_len)
+    ]
+    query = torch.randn(starts[-1], HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
         block_table=table,
         seq_lens=torch.tensor(seq_lens),
-        query_start_loc=list(range(len(seq_lens) + 1)),
+        query_start_loc=starts,
         seq_lens_list=seq_lens,
-        num_decodes=len(seq_lens),
+        num_decodes=next((i for i, (_, q) in enumerate(specs) if q != 1), len(specs)),
         block_size=BLOCK,
     )
     return query, caches, meta
 
 
-def decode_layers(
-    decode: Callable[..., None],
-    out: torch.Tensor,
-    query: torch.Tensor,
-    caches: list[torch.Tensor],
-    meta: AttentionMetadata,
-) -> None:
-    """One decode step's attention: the same batch against every layer's cache in turn."""
+def every_layer(attend: Callable[[torch.Tensor], object], caches: list[torch.Tensor]) -> None:
+    """One step's attention: the same batch against every layer's cache in turn."""
     for cache in caches:
-        decode(out, query, cache, meta, 0.125)
+        attend(cache)
 
 
-def time_backends(seq_lens: list[int], args: argparse.Namespace) -> dict[str, float]:
+def paged_decode_in_place(
+    out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> None:
+    """Decodes through the kernel the AMX one replaced."""
+    torch.ops.raypage.paged_decode_attention(out, query, kv_cache, meta.block_table, meta.seq_lens, scale)
+
+
+def paged_decode_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """A step through the kernel the AMX one replaced: every row a one-token sequence."""
+    reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+    out = torch.empty_like(query)
+    block_table, lengths = meta.rows_as_sequences
+    torch.ops.raypage.paged_decode_attention(out, query, kv_cache, block_table, lengths, scale)
+    return out
+
+
+def time_calls(
+    calls: dict[str, Callable[[], None]], threads: int, rounds: int, layers: int
+) -> dict[str, float]:
+    """Median microseconds per layer of each call, over interleaved rounds: this machine's shared
+    cores make single runs noisy."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            timer = benchmark.Timer("call()", globals={"call": call}, num_threads=threads)
+            times[name].append(timer.blocked_autorange(min_run_time=0.3).median * 1e6 / layers)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def time_batch(specs: list[tuple[int, int]], prefill: bool, args: argparse.Namespace) -> dict[str, float]:
     """Median microseconds per layer of each backend on this batch (its caches freed on return)."""
     layers = args.layers if args.cold else 1
     # 11650: the blocks per layer the engine gives SmolLM2 in bf16 here, so that they lie as sparsely.
     num_blocks = args.num_blocks or (11650 if args.cold else 8192)
-    query, caches, meta = decode_batch(seq_lens, num_blocks, layers=layers, huge_pages=not args.small_pages)
-    out = torch.empty_like(query)
-    # Interleaved rounds, median of each: this machine's shared cores make single runs noisy.
-    rounds: dict[str, list[float]] = {"sdpa": [], "cpu_paged": []}
-    for _ in range(args.rounds):
-        for name, decode in (("sdpa", decode_padded_runs), ("cpu_paged", decode_in_place)):
-            timer = benchmark.Timer(
-                "decode_layers(decode, out, query, caches, meta)",
-                globals={
-                    "decode_layers": decode_layers,
-                    "decode": decode,
-                    "out": out,
-                    "query": query,
-                    "caches": caches,
-                    "meta": meta,
-                },
-                num_threads=args.threads,
-            )
-            rounds[name].append(timer.blocked_autorange(min_run_time=0.3).median * 1e6 / layers)
-    return {name: statistics.median(values) for name, values in rounds.items()}
+    query, caches, meta = paged_batch(specs, num_blocks, layers=layers, huge_pages=not args.small_pages)
+    replaced = amx_serves(caches[0])
+    if prefill:  # whole steps: the new keys and values stored first, then attended with the rest
+        key, value = torch.randn(2, query.shape[0], KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+        backends = {"sdpa": sdpa_attention, "cpu_paged": cpu_paged_attention}
+        if replaced:
+            backends["paged_decode"] = paged_decode_rows
+        steps = {
+            name: lambda cache, f=f: f(query, key, value, cache, meta, SCALE) for name, f in backends.items()
+        }
+    else:
+        out = torch.empty_like(query)
+        backends = {"sdpa": decode_padded_runs, "cpu_paged": decode_in_place}
+        if replaced:
+            backends["paged_decode"] = paged_decode_in_place
+        steps = {name: lambda cache, f=f: f(out, query, cache, meta, SCALE) for name, f in backends.items()}
+    calls = {name: lambda step=step: every_layer(step, caches) for name, step in steps.items()}
+    return time_calls(calls, args.threads, args.rounds, layers)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--prefill", action="store_true", help="whole steps with prefill chunks, not decodes")
     parser.add_argument("--cold", action="store_true", help="one cache per layer, as in the engine")
     parser.add_argument("--layers", type=int, default=30, help="caches attended in turn with --cold")
     parser.add_argument("--num-blocks", type=int, default=None, help="blocks per cache (8192; 11650 cold)")
@@ -116,15 +171,20 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("the C++ kernels could not be built here (see the log line above)")
-    gen = torch.Generator().manual_seed(1)
-    batches = {
-        "64 x 128-256": torch.randint(128, 257, (64,), generator=gen).tolist(),
-        "128 x 16-1024": torch.randint(16, 1025, (128,), generator=gen).tolist(),
-    }
-    for label, seq_lens in batches.items():
-        times = time_backends(seq_lens, args)
+    if args.prefill:
+        batches = PREFILLS
+    else:
+        gen = torch.Generator().manual_seed(1)
+        batches = {
+            f"{n} x {low}-{high}": [(length - 1, 1) for length in sorted(lengths, reverse=True)]
+            for n, low, high in ((64, 128, 256), (128, 16, 1024))
+            for lengths in [torch.randint(low, high + 1, (n,), generator=gen).tolist()]
+        }
+    for label, specs in batches.items():
+        times = time_batch(specs, args.prefill, args)
+        others = ", ".join(f"{name} {us:.0f} us" for name, us in times.items() if name != "sdpa")
         print(
-            f"{label}: sdpa {times['sdpa']:.0f} us, cpu_paged {times['cpu_paged']:.0f} us per layer "
+            f"{label}: sdpa {times['sdpa']:.0f} us, {others} per layer "
             f"({times['sdpa'] / times['cpu_paged']:.2f}x), {args.threads} threads, median of {args.rounds} rounds"
             + (
                 f", cold: {args.layers} caches of {args.num_blocks or 11650} blocks in turn"

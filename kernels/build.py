@@ -25,7 +25,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "cache_ops.cpp")]
+SOURCES = [
+    CSRC / name for name in ("paged_attention.cpp", "amx_attention.cpp", "fused_ops.cpp", "cache_ops.cpp")
+]
 # Every header in csrc, hashed with the sources that include them: a change to one builds a new library.
 HEADERS = sorted(CSRC.glob("*.h"))
 # -march=native: the library is built on the machine that runs it; the CPU's feature flags are in the

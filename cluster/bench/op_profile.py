@@ -20,6 +20,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
         "attention",
         (
             "raypage::paged_decode_attention",
+            "raypage::amx_paged_attention",
             "scaled_dot_product",
             "aten::bmm",
             "aten::index_select",
