@@ -20,8 +20,10 @@ NUM_STREAMS = 20
 DRAIN_TIMEOUT_S = 2.0
 # The tiny model has no end-of-sequence token: each request generates exactly max_tokens. Half the
 # streams need a few dozen engine steps after the signal (well within the drain timeout), the other
-# half hundreds of steps of a batch of 20 (far past it).
-SHORT_MAX_TOKENS, LONG_MAX_TOKENS = 24, 480
+# half thousands of steps of a batch of 20: past the timeout even at half a millisecond a step, which
+# no engine reaches, so the test does not depend on how fast this machine is.
+SHORT_MAX_TOKENS, LONG_MAX_TOKENS = 24, 4000
+MAX_MODEL_LEN = 4096
 
 
 async def stream(
@@ -52,10 +54,11 @@ async def watch_drain(server: RemoteServer) -> tuple[httpx.Response, httpx.Respo
 
 
 def test_sigterm_drains_the_streams_then_exits_0_leaving_no_process(tmp_path) -> None:
-    model = write_tiny_model(tmp_path / "model")
+    model = write_tiny_model(tmp_path / "model", max_position_embeddings=MAX_MODEL_LEN)
     args = [
         *("--model", str(model), "--served-model-name", MODEL, "--disable-access-log"),
-        *("--dtype", "float32", "--num-kv-blocks", "1024", "--max-num-seqs", str(NUM_STREAMS)),
+        # Blocks for every stream's whole length: the long ones run until the drain aborts them.
+        *("--dtype", "float32", "--num-kv-blocks", "5120", "--max-num-seqs", str(NUM_STREAMS)),
         *("--drain-timeout-s", str(DRAIN_TIMEOUT_S)),
     ]
     server = RemoteServer(args, tmp_path / "server.log")

@@ -83,16 +83,24 @@ def test_clients_leaving_mid_stream_free_their_requests(server: RemoteServer) ->
             break
         await stream.close()  # drops the connection
 
+    async def until_running(count: int) -> None:
+        deadline = time.monotonic() + 30
+        while server.metric("raypage:num_requests_running") < count:
+            assert time.monotonic() < deadline, f"{count} requests never ran together"
+            await asyncio.sleep(0.02)
+
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as raw:
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400}
-            # Clients waiting for whole responses, cancelled (their connections dropped) mid-way.
+            # Clients waiting for whole responses, cancelled (their connections dropped) once their
+            # requests run, hundreds of steps before they could finish.
             waiting = [asyncio.create_task(raw.post("/v1/completions", json=body)) for _ in range(4)]
-            client = async_client(server)
-            await asyncio.gather(*(leave_after_first_chunk(client) for _ in range(50)))
+            await until_running(len(waiting))
             for task in waiting:
                 task.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
+            client = async_client(server)
+            await asyncio.gather(*(leave_after_first_chunk(client) for _ in range(50)))
 
     aborted_before = server.metric("raypage:request_success_total", 'finished_reason="abort"')
     asyncio.run(run())

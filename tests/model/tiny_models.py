@@ -21,6 +21,7 @@ def write_tiny_model(
     num_kv_heads: int = 2,
     max_shard_size: str | None = None,
     seed: int = 0,
+    max_position_embeddings: int = 512,
 ) -> Path:
     """A 2-layer model with SmolLM2's tokenizer (so text prompts work) and random weights."""
     tokenizer = load_tokenizer(ModelSource(packaged_model_path(), "gguf"))
@@ -31,7 +32,7 @@ def write_tiny_model(
         num_hidden_layers=2,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         # No EOS: transformers then generates the full length, as the engine does with ignore_eos.
         eos_token_id=None,
