@@ -26,7 +26,14 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
-    CSRC / name for name in ("paged_attention.cpp", "amx_attention.cpp", "fused_ops.cpp", "cache_ops.cpp")
+    CSRC / name
+    for name in (
+        "paged_attention.cpp",
+        "amx_attention.cpp",
+        "fused_ops.cpp",
+        "cache_ops.cpp",
+        "panel_gemm.cpp",
+    )
 ]
 # Every header in csrc, hashed with the sources that include them: a change to one builds a new library.
 HEADERS = sorted(CSRC.glob("*.h"))

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.linear import WeightForm, best_weight_form, linear, prepare_weight
 from parallel.comm import tensor_parallel_all_gather, tensor_parallel_all_reduce
-from parallel.cpu_linear import WeightForm, best_weight_form, linear, prepare_weight
 from parallel.state import get_parallel_state
 
 WeightLoader = Callable[..., None]
@@ -56,7 +56,7 @@ class _TensorParallelModule(nn.Module):
 
 class _PreparableLinear(_TensorParallelModule):
     """A linear layer whose loaded weight can be kept in the form this CPU multiplies by fastest
-    (see cpu_linear.py)."""
+    (see kernels/linear.py)."""
 
     weight: nn.Parameter
 

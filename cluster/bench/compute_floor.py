@@ -15,7 +15,7 @@ import time
 import torch
 
 from engine.models.arch_config import ArchConfig
-from parallel.cpu_linear import best_weight_form, linear, prepare_weight
+from kernels.linear import best_weight_form, linear, prepare_weight
 
 # The timed matmul: a prefill-sized batch through the widest projection (gate and up).
 RATE_ROWS = 512
