@@ -6,8 +6,10 @@ Which matmul is fastest depends on the CPU, and each way wants the weight in ano
   multiplies bf16 pairs natively (AVX-512 BF16) but has no AMX, such as AMD's Zen 4 and Zen 5. There
   it ran SmolLM2's projections 1.1-1.6x faster than oneDNN's brgemm at decode batch sizes, with
   weights streamed from memory, and level or faster at prefill sizes (docs/performance.md, "Panel
-  GEMM"). The packed weight is a bf16 tensor of shape [out / 16, in / 2, 32] whose values only the
-  kernel reads; bf16 weights with an output size that is a multiple of 16 and an even input size.
+  GEMM"). The packed weight is a bf16 tensor of shape [shards, out / 16, in / 2, 32] whose values
+  only the kernel reads; bf16 weights whose output size splits into shards of a multiple of 16 and
+  whose input size is even. A fused gate and up projection is packed as two shards, so that one
+  kernel call computes SiLU(gate) * up without writing either projection out (`silu_and_mul_linear`).
 - **oneDNN prepacked** where oneDNN computes in the weight's own dtype otherwise (AMX, where its tile
   matmuls are several times faster than any `vdpbf16ps` loop, and AVX512-FP16 for fp16). `F.linear`
   on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout at every call; for the small
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.build import cpu_kernels_available
+from kernels.fused_ops import silu_and_mul
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _PANEL_COLUMNS = 16  # the packed form's output sizes come in multiples of one vector of 16 floats
@@ -63,14 +66,15 @@ def onednn_computes_in(dtype: torch.dtype) -> bool:
     return dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
-def best_weight_form(weight: torch.Tensor) -> WeightForm:
-    """The form in which this machine multiplies by `weight` ([out, in]) fastest."""
+def best_weight_form(weight: torch.Tensor, shards: int = 1) -> WeightForm:
+    """The form in which this machine multiplies by `weight` ([out, in], `shards` blocks of rows
+    stacked: a fused projection's parts) fastest."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in HALF_DTYPES:
         return WeightForm.PLAIN
     out_features, in_features = weight.shape
     if (
         weight.dtype == torch.bfloat16
-        and out_features % _PANEL_COLUMNS == 0
+        and out_features % (shards * _PANEL_COLUMNS) == 0
         and in_features % 2 == 0
         and panel_kernel_serves()
     ):
@@ -78,12 +82,12 @@ def best_weight_form(weight: torch.Tensor) -> WeightForm:
     return WeightForm.ONEDNN_PREPACKED if onednn_computes_in(weight.dtype) else WeightForm.WIDENED
 
 
-def prepare_weight(weight: torch.Tensor, form: WeightForm) -> torch.Tensor:
-    """`weight` in `form`: packed panels or an opaque oneDNN tensor that only `linear` reads, a
-    float32 copy, or itself."""
+def prepare_weight(weight: torch.Tensor, form: WeightForm, shards: int = 1) -> torch.Tensor:
+    """`weight` in `form`: packed panels (each of `shards` blocks of rows on its own) or an opaque
+    oneDNN tensor that only `linear` reads, a float32 copy, or itself."""
     weight = weight.detach()
     if form is WeightForm.PANELS:
-        return torch.ops.raypage.pack_panels(weight.contiguous())
+        return torch.ops.raypage.pack_panels(weight.contiguous(), shards)
     if form is WeightForm.ONEDNN_PREPACKED:
         return torch.ops.mkldnn._reorder_linear_weight(weight)
     if form is WeightForm.WIDENED:
@@ -93,10 +97,21 @@ def prepare_weight(weight: torch.Tensor, form: WeightForm) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b in x's dtype, for a weight in any of `prepare_weight`'s forms."""
-    if weight.dim() == 3:  # packed panels
+    if weight.dim() == 4:  # packed panels
         return torch.ops.raypage.panel_linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.dtype != x.dtype:  # a widened weight: compute in float32, round once at the end
         return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """silu(gate) * up of the projection x W^T + b = [gate | up] ([..., 2d] -> [..., d]). With W in
+    panels of two shards and no bias, one kernel call whose epilogue applies the SiLU and the product,
+    rounding where `silu_and_mul` does; otherwise the projection, then `silu_and_mul`."""
+    if weight.dim() == 4 and weight.shape[0] == 2 and bias is None:
+        return torch.ops.raypage.panel_silu_and_mul(x, weight)
+    return silu_and_mul(linear(x, weight, bias))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear import WeightForm, best_weight_form, linear, prepare_weight
+from kernels.linear import WeightForm, best_weight_form, linear, prepare_weight, silu_and_mul_linear
 from parallel.comm import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from parallel.state import get_parallel_state
 
@@ -59,12 +59,16 @@ class _PreparableLinear(_TensorParallelModule):
     (see kernels/linear.py)."""
 
     weight: nn.Parameter
+    # Blocks of output rows the weight stacks, each packed on its own (kernels/linear.py).
+    weight_shards = 1
 
     def prepare(self, form: WeightForm | None = None) -> None:
         """Keep the weight in `form` (by default this machine's fastest for it); call after loading."""
-        form = form or best_weight_form(self.weight)
+        form = form or best_weight_form(self.weight, self.weight_shards)
         if form is not WeightForm.PLAIN:
-            self.weight = nn.Parameter(prepare_weight(self.weight, form), requires_grad=False)
+            self.weight = nn.Parameter(
+                prepare_weight(self.weight, form, self.weight_shards), requires_grad=False
+            )
 
 
 class ColumnParallelLinear(_PreparableLinear):
@@ -99,6 +103,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, dtype)
+        if len(set(self.output_sizes)) == 1:
+            self.weight_shards = len(self.output_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
@@ -108,6 +114,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             loaded.narrow(0, self.tp_rank * size, size),
             f"merged column shard {shard_id}",
         )
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate, up] projection (this rank's slices of both): a gated MLP's
+        activation, computed in the matmul's epilogue where the weight is in panels."""
+        return silu_and_mul_linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.forward_context import get_forward_context
-from kernels.fused_ops import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from kernels.fused_ops import add_rms_norm, rms_norm, rotary_embedding
 from parallel.layers import default_weight_loader
 
 
@@ -74,14 +74,6 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [tokens, heads, dim] and k [tokens, kv_heads, dim] by their positions (maybe in place)."""
         return rotary_embedding(positions, q, k, self.cos, self.sin)
-
-
-class SiluAndMul(nn.Module):
-    """silu(gate) * up for a fused [gate | up] projection (one C++ pass on the CPU, kernels/fused_ops.py)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., 2d] -> [..., d]."""
-        return silu_and_mul(x)
 
 
 class PagedAttention(nn.Module):

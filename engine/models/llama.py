@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.models.arch_config import ArchConfig
-from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
 from parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -73,10 +73,9 @@ class LlamaMLP(nn.Module):
             config.hidden_size, [size, size], config.mlp_bias, dtype
         )
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, dtype)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -262,17 +262,6 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
   });
 }
 
-#if defined(RAYPAGE_SIMD)
-// silu(x) = x / (1 + e^-x), with the exponential always of -|x| (exp_lanes' domain): for x < 0 it
-// is x e^x / (1 + e^x), the same value. Where e^-|x| underflows it is zero, so that large |x| give
-// x and -0 as torch's formula does (and -inf gives NaN, as torch's -inf / inf does).
-inline Vec silu_lanes(Vec x) {
-  const Vec zero = set1(0.f);
-  const Vec negative_abs = min(x, sub(zero, x));
-  const Vec e = select(less(negative_abs, set1(kExpFloor)), zero, exp_lanes(negative_abs));
-  return div(select(less(x, zero), mul(x, e), x), add(set1(1.f), e));
-}
-#endif
 
 // out = round(round(silu(gate)) * up), F.silu's then the product's rounding.
 template <typename T>

@@ -191,6 +191,16 @@ inline Vec exp_lanes(Vec x) {
   y = fmadd(y, mul(x, x), add(x, set1(1.f)));
   return times_pow2(y, n);
 }
+
+// silu(x) = x / (1 + e^-x), with the exponential always of -|x| (exp_lanes' domain): for x < 0 it
+// is x e^x / (1 + e^x), the same value. Where e^-|x| underflows it is zero, so that large |x| give
+// x and -0 as torch's formula does (and -inf gives NaN, as torch's -inf / inf does).
+inline Vec silu_lanes(Vec x) {
+  const Vec zero = set1(0.f);
+  const Vec negative_abs = min(x, sub(zero, x));
+  const Vec e = select(less(negative_abs, set1(kExpFloor)), zero, exp_lanes(negative_abs));
+  return div(select(less(x, zero), mul(x, e), x), add(set1(1.f), e));
+}
 #else
 constexpr int64_t kLanes = 1;
 #endif

@@ -34,7 +34,7 @@ def test_projection_flops_are_what_torch_counts_in_the_layers() -> None:
         for layer in model.model.layers:
             layer.self_attn.qkv_proj(hidden)
             layer.self_attn.o_proj(hidden)
-            layer.mlp.down_proj(layer.mlp.act_fn(layer.mlp.gate_up_proj(hidden)))
+            layer.mlp.down_proj(layer.mlp.gate_up_proj.silu_and_mul(hidden))
     assert linear_flops_per_token(ARCH) * tokens == counter.get_total_flops()
 
 
