@@ -10,8 +10,8 @@ scattered at random. Decodes (the default): one batch of 64 sequences of 128-256
 128 tokens, 64 chunks of 32 after 384 cached tokens (a shared prefix), 4 prompts of 512, one chunk
 of 1024 after 1024, and 64 decodes with 8 prompts of 128.
 
-Where the AMX kernel serves (`cpu_paged` takes it), `paged_decode` times the kernel it replaced:
-`paged_decode_attention`, prefill rows as one-token sequences (`rows_as_sequences`).
+`paged_decode` times the path the tiled and AMX kernels replaced: `paged_decode_attention` with every
+prefill row a one-token sequence (`rows_as_sequences`), and, where AMX serves, for decodes.
 
 By default one layer's cache is attended over and over, so its few megabytes of used blocks stay in
 L3. `--cold` times what the engine sees instead: one cache per layer (`--layers`, SmolLM2 has 30) of
@@ -105,6 +105,19 @@ def paged_decode_in_place(
     torch.ops.raypage.paged_decode_attention(out, query, kv_cache, meta.block_table, meta.seq_lens, scale)
 
 
+def rows_as_sequences(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row as a one-token sequence of its own: ([num_tokens, max_blocks] block table,
+    [num_tokens] lengths). Row r of sequence i attends to the tokens up to and including its own
+    (context + r + 1), so the decode kernel run over these rows computes causal prefill attention."""
+    query_lens = torch.tensor([meta.query_len(i) for i in range(meta.num_seqs)], dtype=torch.int64)
+    seq_of_row = torch.repeat_interleave(torch.arange(meta.num_seqs), query_lens)
+    starts = torch.tensor(meta.query_start_loc[:-1], dtype=torch.int64)
+    row = torch.arange(meta.query_start_loc[-1], dtype=torch.int64)
+    # A row's length: its sequence's context, then itself and the chunk's rows before it.
+    lengths = (meta.seq_lens - query_lens)[seq_of_row] + row - starts[seq_of_row] + 1
+    return meta.block_table.index_select(0, seq_of_row), lengths
+
+
 def paged_decode_rows(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -113,10 +126,11 @@ def paged_decode_rows(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """A step through the kernel the AMX one replaced: every row a one-token sequence."""
+    """A step through the decode kernel alone, every row a one-token sequence (what the tiled and AMX
+    kernels replaced)."""
     reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
     out = torch.empty_like(query)
-    block_table, lengths = meta.rows_as_sequences
+    block_table, lengths = rows_as_sequences(meta)
     torch.ops.raypage.paged_decode_attention(out, query, kv_cache, block_table, lengths, scale)
     return out
 
@@ -143,9 +157,11 @@ def time_batch(specs: list[tuple[int, int]], prefill: bool, args: argparse.Names
     replaced = amx_serves(caches[0])
     if prefill:  # whole steps: the new keys and values stored first, then attended with the rest
         key, value = torch.randn(2, query.shape[0], KV_HEADS, HEAD_DIM).to(torch.bfloat16)
-        backends = {"sdpa": sdpa_attention, "cpu_paged": cpu_paged_attention}
-        if replaced:
-            backends["paged_decode"] = paged_decode_rows
+        backends = {
+            "sdpa": sdpa_attention,
+            "cpu_paged": cpu_paged_attention,
+            "paged_decode": paged_decode_rows,
+        }
         steps = {
             name: lambda cache, f=f: f(query, key, value, cache, meta, SCALE) for name, f in backends.items()
         }

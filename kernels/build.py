@@ -33,6 +33,7 @@ SOURCES = [
         "fused_ops.cpp",
         "cache_ops.cpp",
         "panel_gemm.cpp",
+        "tiled_attention.cpp",
     )
 ]
 # Every header in csrc, hashed with the sources that include them: a change to one builds a new library.

@@ -8,17 +8,16 @@ chunk reads its context once per item of 128 rows instead of once per row. On Sm
 beat the kernel below 2-6x on prefill steps, 1.2x on decodes with the cache in L3 and tied with it
 out of L3 (`python -m kernels.bench_attention [--prefill] [--cold]`).
 
-Elsewhere `torch.ops.raypage.paged_decode_attention` (kernels/csrc/paged_attention.cpp, compiled by
-kernels/build.py) attends each (query row, KV head) pair over that row's blocks where they lie, so no
-padded copy of any sequence's keys and values is gathered per step. Prefill rows take that kernel too
-where it multiplies bf16 pairs natively (AVX-512 BF16, a bf16 cache): after the chunk's keys and
-values are stored, each row is a one-token sequence whose length ends at its own position
-(`AttentionMetadata.rows_as_sequences`), which is causal attention over the cached context and the
-chunk alike, one call for the whole batch. There it beat `scaled_dot_product_attention` per chunk
-2-6x. Elsewhere the kernel widens every key to float32 for every row that reads it, and SDPA's
-blocked matmuls per chunk were 1.2-1.7x faster (an AVX2 Zen 3; docs/performance.md), so prefill
-chunks take the sdpa backend's path and only decode rows the kernel. Tensors off the CPU take the
-sdpa backend.
+Elsewhere decode rows take `torch.ops.raypage.paged_decode_attention` (kernels/csrc/paged_attention.cpp,
+compiled by kernels/build.py), which attends each (query row, KV head) pair over that row's blocks
+where they lie, so no padded copy of any sequence's keys and values is gathered per step. Prefill
+chunks of a bf16 cache on a CPU with AVX-512 BF16 take `torch.ops.raypage.tiled_prefill_attention`
+(kernels/csrc/tiled_attention.cpp): 16 tokens of a chunk as the lanes of each vector, every key and
+value read once per 16 tokens where it lies; on SmolLM2's shapes 1.8-2.4x faster than running each
+prefill row through the decode kernel as a one-token sequence, which the backend did before
+(`python -m kernels.bench_attention --prefill`). Other prefill chunks (other dtypes and CPUs, shapes
+the kernels are not built for) take the sdpa backend's path, SDPA per chunk over a gathered copy of
+its context, and only decode rows the C++ kernel. Tensors off the CPU take the sdpa backend.
 """
 
 from __future__ import annotations
@@ -60,10 +59,17 @@ def decode_in_place(
         torch.ops.raypage.paged_decode_attention(out, query, kv_cache, block_table, seq_lens, scale)
 
 
+def tiled_serves(query: Tensor, kv_cache: Tensor) -> bool:
+    """Whether the tiled prefill kernel attends over this cache: bf16, on a CPU with AVX-512 BF16,
+    a head size, GQA group and block size it is built for."""
+    return kv_cache.dtype == torch.bfloat16 and _tiled_serves_shape(
+        kv_cache.shape[-1], query.shape[1] // kv_cache.shape[1], kv_cache.shape[-2]
+    )
+
+
 @functools.cache
-def prefills_through_kernel(dtype: torch.dtype) -> bool:
-    """Whether prefill rows of a `dtype` cache are faster through the decode kernel than through SDPA."""
-    return dtype == torch.bfloat16 and torch.ops.raypage.has_bf16_dot_product()
+def _tiled_serves_shape(head_dim: int, group: int, block_size: int) -> bool:
+    return torch.ops.raypage.tiled_attention_serves(head_dim, group, block_size)
 
 
 def cpu_paged_attention(
@@ -73,7 +79,8 @@ def cpu_paged_attention(
     if not query.is_cpu:
         return sdpa_attention(query, key, value, kv_cache, meta, scale)
     amx = amx_serves(kv_cache)
-    if not amx and meta.num_decodes < query.shape[0] and not prefills_through_kernel(kv_cache.dtype):
+    prefills = meta.num_decodes < meta.num_seqs
+    if not amx and prefills and not tiled_serves(query, kv_cache):
         return paged_attention(query, key, value, kv_cache, meta, scale, decode_in_place)
     reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
     out = torch.empty_like(query)
@@ -81,7 +88,18 @@ def cpu_paged_attention(
         torch.ops.raypage.amx_paged_attention(
             out, query, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc_tensor, scale
         )
-    else:
-        block_table, lengths = meta.rows_as_sequences
-        torch.ops.raypage.paged_decode_attention(out, query, kv_cache, block_table, lengths, scale)
+        return out
+    decodes = meta.num_decodes
+    if decodes:
+        decode_in_place(out[:decodes], query[:decodes], kv_cache, meta, scale)
+    if prefills:  # the decodes' offsets sliced off: each prefill sequence's rows, as rows of `query`
+        torch.ops.raypage.tiled_prefill_attention(
+            out,
+            query,
+            kv_cache,
+            meta.block_table[decodes:],
+            meta.seq_lens[decodes:],
+            meta.query_start_loc_tensor[decodes:],
+            scale,
+        )
     return out

@@ -38,22 +38,3 @@ class AttentionMetadata:
         """query_start_loc as an int32 tensor on the batch's device, for kernels that read it there;
         made on first use and shared by every layer of the step."""
         return torch.tensor(self.query_start_loc, dtype=torch.int32, device=self.seq_lens.device)
-
-    @functools.cached_property
-    def rows_as_sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every query row as a one-token sequence of its own: ([num_tokens, max_blocks] block table,
-        [num_tokens] lengths). Row r of sequence i attends to the tokens up to and including its own
-        (context + r + 1), so a decode kernel run over these rows computes causal prefill attention
-        straight from the cache. Made on first use and shared by every layer of the step."""
-        if self.num_decodes == self.num_seqs:
-            return self.block_table, self.seq_lens
-        device = self.seq_lens.device
-        query_lens = torch.tensor(
-            [self.query_len(i) for i in range(self.num_seqs)], dtype=torch.int64, device=device
-        )
-        seq_of_row = torch.repeat_interleave(torch.arange(self.num_seqs, device=device), query_lens)
-        starts = torch.tensor(self.query_start_loc[:-1], dtype=torch.int64, device=device)
-        row = torch.arange(self.query_start_loc[-1], dtype=torch.int64, device=device)
-        # A row's length: its sequence's context, then itself and the chunk's rows before it.
-        lengths = (self.seq_lens - query_lens)[seq_of_row] + row - starts[seq_of_row] + 1
-        return self.block_table.index_select(0, seq_of_row), lengths

@@ -127,7 +127,7 @@ def test_the_backend_takes_the_amx_kernel_for_bf16_and_keeps_the_other_paths_oth
     assert amx_serves(pb.kv_cache)
     reference = expected(pb)
     scale = pb.query.shape[-1] ** -0.5
-    monkeypatch.setattr(cpu_paged, "prefills_through_kernel", lambda dtype: pytest.fail("took another path"))
+    monkeypatch.setattr(cpu_paged, "tiled_serves", lambda query, kv_cache: pytest.fail("took another path"))
     out = cpu_paged_attention(pb.query, pb.key, pb.value, pb.kv_cache, pb.meta, scale)
     torch.testing.assert_close(out, reference, rtol=TOL, atol=TOL)
     cache = pb.kv_cache

@@ -14,6 +14,7 @@ import torch
 
 from kernels.attention import AttentionMetadata, cpu_paged, get_attention_backend
 from kernels.attention.cpu_paged import cpu_paged_attention
+from kernels.attention.random_batch import random_paged_batch
 from kernels.attention.reference import reference_attention
 from kernels.attention.sdpa import sdpa_attention
 from kernels.build import cpu_kernels_available
@@ -24,6 +25,12 @@ needs_kernels = pytest.mark.skipif(
 )
 
 HEAD_DIM = 64
+
+
+def tiled_prefill_serves() -> bool:
+    return torch.ops.raypage.tiled_attention_serves(HEAD_DIM, 3, 16)
+
+
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
@@ -138,17 +145,22 @@ def test_many_decodes_through_the_backend_match_the_sdpa_backend():
 
 
 @needs_kernels
-@pytest.mark.parametrize("through_kernel", [True, False], ids=["kernel", "sdpa"])
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_prefill_chunks_over_cached_context_match_reference(dtype, through_kernel, monkeypatch):
+def test_long_prefill_chunks_over_cached_context_match_reference(dtype, tiled, monkeypatch):
     # Fresh prompts, chunks after a cached context of whole and partial blocks, and decodes, in one
-    # batch; the prefill rows either through the decode kernel, each ending at its own position, or
-    # through SDPA per chunk, whichever this CPU would not pick by itself too.
-    monkeypatch.setattr(cpu_paged, "prefills_through_kernel", lambda dtype: through_kernel)
+    # batch at SmolLM2's shapes; the prefill chunks through the tiled kernel (bf16 on AVX-512 BF16)
+    # or through SDPA per chunk.
+    if tiled and not (dtype == torch.bfloat16 and tiled_prefill_serves()):
+        pytest.skip("the tiled kernel serves bf16 caches on CPUs with AVX-512 BF16")
+    monkeypatch.setattr(cpu_paged, "tiled_serves", lambda query, kv_cache: tiled)
     specs = [(70, 1), (3, 1), (0, 130), (100, 37), (16, 16), (5, 2)]
-    q, k, v, cache, meta, _ = build_batch(specs, num_blocks=256, dtype=dtype)
-    expected = reference_attention(q, k, v, cache.clone(), meta, DIM**-0.5)
-    out = cpu_paged_attention(q, k, v, cache, meta, DIM**-0.5)
+    pb = random_paged_batch(
+        specs, heads=9, kv_heads=3, head_dim=HEAD_DIM, block_size=16, dtype=dtype, device=torch.device("cpu")
+    )
+    scale = HEAD_DIM**-0.5
+    expected = reference_attention(pb.query, pb.key, pb.value, pb.kv_cache.clone(), pb.meta, scale)
+    out = cpu_paged_attention(pb.query, pb.key, pb.value, pb.kv_cache, pb.meta, scale)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
