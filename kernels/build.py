@@ -34,6 +34,7 @@ SOURCES = [
         "cache_ops.cpp",
         "panel_gemm.cpp",
         "tiled_attention.cpp",
+        "decoder_layer.cpp",
     )
 ]
 # Every header in csrc, hashed with the sources that include them: a change to one builds a new library.

@@ -8,7 +8,7 @@ attention through the forward context.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -89,10 +89,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # The same layer as one C++ call, where engine/models/fused_layers.py finds that it can be.
+        self.fused: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None:
+            return self.fused(positions, hidden, residual)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:

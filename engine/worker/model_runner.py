@@ -16,6 +16,7 @@ import torch
 from engine.config import ResolvedEngineConfig
 from engine.forward_context import set_forward_context
 from engine.kv_cache_manager import cdiv
+from engine.models.fused_layers import fuse_decoder_layers
 from engine.models.layers import PagedAttention
 from engine.models.loader import load_model
 from engine.models.model_files import ModelSource
@@ -71,6 +72,9 @@ class ModelRunner:
             self.device,
             self.config.parallel.pipeline_partition,
         )
+        fused = fuse_decoder_layers(self.model, self.attention_backend, self.block_size)
+        if fused:
+            logger.info("%d decoder layers run as one C++ call each (engine/models/fused_layers.py)", fused)
 
     # ---- one step ------------------------------------------------------------------------------
 

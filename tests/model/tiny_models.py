@@ -22,13 +22,15 @@ def write_tiny_model(
     max_shard_size: str | None = None,
     seed: int = 0,
     max_position_embeddings: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
 ) -> Path:
     """A 2-layer model with SmolLM2's tokenizer (so text prompts work) and random weights."""
     tokenizer = load_tokenizer(ModelSource(packaged_model_path(), "gguf"))
     settings = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,

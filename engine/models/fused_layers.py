@@ -1,0 +1,110 @@
+"""Llama decoder layers run as one C++ call each, where every operator of the layer has a CPU kernel.
+
+A decode step of a small model spends a good share of its time in Python between the operators:
+about 35 per layer (norms, the four projections, rotary, the cache write, attention and their views),
+each a Python call, a dispatch and its wrapper's checks. `torch.ops.raypage.llama_decoder_layer`
+(kernels/csrc/decoder_layer.cpp) runs the same operators in the same order from C++, so the outputs
+are the same bit for bit (tests/model/test_fused_layers.py); on SmolLM2 it took a 64-row decode
+step from about 46 to about 42 ms (docs/performance.md).
+
+A layer is fused where all of it runs on those kernels: the cpu_paged attention backend over a bf16
+cache with the tiled prefill kernel built for its shape (AVX-512 BF16), its four projections in
+panels (kernels/linear.py), no biases but the QKV projection's, and no tensor parallelism (the
+row-parallel projections' all-reduce stays in Python). Anywhere else the layer's own forward runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.forward_context import get_forward_context
+from engine.models.llama import LlamaDecoderLayer
+from kernels.attention import AttentionBackend
+from kernels.attention.cpu_paged import cpu_paged_attention, tiled_serves
+
+
+class FusedDecoderLayer:
+    """One LlamaDecoderLayer's weights and shapes, called as `layer(positions, hidden, residual)`."""
+
+    def __init__(self, layer: LlamaDecoderLayer) -> None:
+        attention, mlp = layer.self_attn, layer.mlp
+        self.layer_index = attention.attn.layer_index
+        self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
+        self.scale = attention.attn.scale
+        self.eps = layer.input_layernorm.eps
+        self.rotary = attention.rotary_emb
+        self.weights = (
+            layer.input_layernorm.weight,
+            attention.qkv_proj.weight,
+            attention.qkv_proj.bias,
+            attention.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight,
+            mlp.down_proj.weight,
+        )
+
+    def __call__(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        context = get_forward_context()
+        meta = context.attn_metadata
+        input_norm, qkv, qkv_bias, o, post_norm, gate_up, down = self.weights
+        return torch.ops.raypage.llama_decoder_layer(
+            hidden,
+            residual,
+            positions,
+            input_norm,
+            qkv,
+            qkv_bias,
+            o,
+            post_norm,
+            gate_up,
+            down,
+            self.rotary.cos,
+            self.rotary.sin,
+            context.kv_caches[self.layer_index],
+            meta.slot_mapping,
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_start_loc_tensor,
+            meta.num_decodes,
+            self.num_heads,
+            self.num_kv_heads,
+            self.eps,
+            self.scale,
+        )
+
+
+def _in_panels(weight: torch.Tensor, shards: int = 1) -> bool:
+    return weight.dim() == 4 and weight.shape[0] == shards
+
+
+def fusable(layer: LlamaDecoderLayer, attention_backend: AttentionBackend, block_size: int) -> bool:
+    """Whether every operator of `layer` runs on the fused call's kernels."""
+    attention, mlp = layer.self_attn, layer.mlp
+    if attention_backend is not cpu_paged_attention or attention.o_proj.tp_size != 1:
+        return False
+    if not (
+        _in_panels(attention.qkv_proj.weight)
+        and _in_panels(attention.o_proj.weight)
+        and _in_panels(mlp.gate_up_proj.weight, shards=2)
+        and _in_panels(mlp.down_proj.weight)
+    ):
+        return False
+    if any(proj.bias is not None for proj in (attention.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        return False
+    head_dim = attention.head_dim
+    query = torch.empty(0, attention.num_heads, head_dim, dtype=torch.bfloat16)
+    cache = torch.empty(2, attention.num_kv_heads, 0, block_size, head_dim, dtype=torch.bfloat16)
+    return tiled_serves(query, cache)
+
+
+def fuse_decoder_layers(model: nn.Module, attention_backend: AttentionBackend, block_size: int) -> int:
+    """Give each decoder layer of `model` that can take it a fused call; returns how many took one."""
+    fused = 0
+    for module in model.modules():
+        if isinstance(module, LlamaDecoderLayer) and fusable(module, attention_backend, block_size):
+            module.fused = FusedDecoderLayer(module)
+            fused += 1
+    return fused
