@@ -21,7 +21,7 @@ from torch import nn
 from engine.forward_context import get_forward_context
 from engine.models.llama import LlamaDecoderLayer
 from kernels.attention import AttentionBackend
-from kernels.attention.cpu_paged import cpu_paged_attention, tiled_serves
+from kernels.attention.cpu_paged import cascade_blocks, cpu_paged_attention, tiled_serves
 
 
 class FusedDecoderLayer:
@@ -69,6 +69,7 @@ class FusedDecoderLayer:
             meta.seq_lens,
             meta.query_start_loc_tensor,
             meta.num_decodes,
+            cascade_blocks(meta),
             self.num_heads,
             self.num_kv_heads,
             self.eps,

@@ -18,6 +18,11 @@ prefill row through the decode kernel as a one-token sequence, which the backend
 (`python -m kernels.bench_attention --prefill`). Other prefill chunks (other dtypes and CPUs, shapes
 the kernels are not built for) take the sdpa backend's path, SDPA per chunk over a gathered copy of
 its context, and only decode rows the C++ kernel. Tensors off the CPU take the sdpa backend.
+
+Decode rows that share a long prompt prefix (the same leading blocks, through the prefix cache) take
+`torch.ops.raypage.cascade_decode_attention` where the tiled kernel serves: each row attends to its
+own tokens past the prefix through the decode kernel, then the prefix's keys and values are read
+once for 16 rows at a time by the tiled kernel, and the two parts are merged by their softmax sums.
 """
 
 from __future__ import annotations
@@ -43,6 +48,34 @@ def _amx_serves_shape(head_dim: int, block_size: int) -> bool:
     return torch.ops.raypage.amx_attention_serves(head_dim, block_size)
 
 
+def tiled_serves(query: Tensor, kv_cache: Tensor) -> bool:
+    """Whether the tiled prefill kernel attends over this cache: bf16, on a CPU with AVX-512 BF16,
+    a head size, GQA group and block size it is built for."""
+    return kv_cache.dtype == torch.bfloat16 and _tiled_serves_shape(
+        kv_cache.shape[-1], query.shape[1] // kv_cache.shape[1], kv_cache.shape[-2]
+    )
+
+
+@functools.cache
+def _tiled_serves_shape(head_dim: int, group: int, block_size: int) -> bool:
+    return torch.ops.raypage.tiled_attention_serves(head_dim, group, block_size)
+
+
+# Cascade attention (tiled_attention.cpp) paid from about 16 decodes sharing 128 tokens, 1.5x at 64
+# sharing 384 (docs/performance.md, "Cascade attention").
+CASCADE_MIN_DECODES = 16
+CASCADE_MIN_SHARED_TOKENS = 128
+
+
+def cascade_blocks(meta: AttentionMetadata) -> int:
+    """How many shared leading blocks the decode rows should attend to together, once for all of
+    them (0: none): where enough rows share enough blocks for it to pay. Needs the tiled kernel."""
+    if meta.num_decodes < CASCADE_MIN_DECODES:
+        return 0
+    shared = meta.shared_decode_blocks
+    return shared if shared * meta.block_size >= CASCADE_MIN_SHARED_TOKENS else 0
+
+
 def decode_in_place(
     out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
 ) -> None:
@@ -55,21 +88,10 @@ def decode_in_place(
     if amx_serves(kv_cache):
         starts = meta.query_start_loc_tensor[: num_decodes + 1]  # 0, 1, ...: one row per decode
         torch.ops.raypage.amx_paged_attention(out, query, kv_cache, block_table, seq_lens, starts, scale)
+    elif tiled_serves(query, kv_cache) and (shared := cascade_blocks(meta)):
+        torch.ops.raypage.cascade_decode_attention(out, query, kv_cache, block_table, seq_lens, shared, scale)
     else:
         torch.ops.raypage.paged_decode_attention(out, query, kv_cache, block_table, seq_lens, scale)
-
-
-def tiled_serves(query: Tensor, kv_cache: Tensor) -> bool:
-    """Whether the tiled prefill kernel attends over this cache: bf16, on a CPU with AVX-512 BF16,
-    a head size, GQA group and block size it is built for."""
-    return kv_cache.dtype == torch.bfloat16 and _tiled_serves_shape(
-        kv_cache.shape[-1], query.shape[1] // kv_cache.shape[1], kv_cache.shape[-2]
-    )
-
-
-@functools.cache
-def _tiled_serves_shape(head_dim: int, group: int, block_size: int) -> bool:
-    return torch.ops.raypage.tiled_attention_serves(head_dim, group, block_size)
 
 
 def cpu_paged_attention(

@@ -38,3 +38,15 @@ class AttentionMetadata:
         """query_start_loc as an int32 tensor on the batch's device, for kernels that read it there;
         made on first use and shared by every layer of the step."""
         return torch.tensor(self.query_start_loc, dtype=torch.int32, device=self.seq_lens.device)
+
+    @functools.cached_property
+    def shared_decode_blocks(self) -> int:
+        """How many leading blocks every decode row's table holds in common (a prompt prefix shared
+        through the prefix cache), short of each row's last token; 0 for fewer than two decodes.
+        Made on first use and shared by every layer of the step."""
+        decodes = self.num_decodes
+        limit = (min(self.seq_lens_list[:decodes], default=1) - 1) // self.block_size
+        if decodes < 2 or limit < 1:
+            return 0
+        table = self.block_table[:decodes, :limit]
+        return int((table == table[:1]).all(0).cumprod(0).sum())

@@ -2,12 +2,14 @@
 //
 // torch.ops.raypage.llama_decoder_layer(hidden, residual?, positions, input_norm, qkv, qkv_bias?, o,
 //     post_norm, gate_up, down, cos, sin, kv_cache, slot_mapping, block_table, seq_lens,
-//     query_start_loc, num_decodes, num_heads, num_kv_heads, eps, scale) -> (hidden, residual)
+//     query_start_loc, num_decodes, shared_blocks, num_heads, num_kv_heads, eps, scale) -> (hidden, residual)
 //
 // The same operators, in the same order, as LlamaDecoderLayer.forward with the CPU kernels
 // (engine/models/llama.py): the input norm (adding the residual after the first layer), the QKV
 // projection in panels, rotary embedding in place, the step's keys and values into the cache,
-// decode rows through paged_decode_attention and prefill chunks through tiled_prefill_attention, the
+// decode rows through paged_decode_attention (cascade_decode_attention over `shared_blocks` leading
+// blocks they hold in common, where the caller found that it pays) and prefill chunks through
+// tiled_prefill_attention, the
 // output projection, the post-attention norm, the gated MLP as panel_silu_and_mul and the down
 // projection. The results are the same bit for bit; what goes is Python: a decode step of a small
 // model runs about 35 operators per layer, each a Python call, a dispatch and its wrappers'
@@ -41,7 +43,7 @@ std::tuple<Tensor, Tensor> llama_decoder_layer(
     const Tensor& qkv_weight, const std::optional<Tensor>& qkv_bias, const Tensor& o_weight, const Tensor& post_norm,
     const Tensor& gate_up_weight, const Tensor& down_weight, const Tensor& cos, const Tensor& sin, Tensor kv_cache,
     const Tensor& slot_mapping, const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc,
-    int64_t num_decodes, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
+    int64_t num_decodes, int64_t shared_blocks, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
   static const auto rms_norm = op<Tensor(const Tensor&, const Tensor&, double)>("raypage::rms_norm");
   static const auto add_rms_norm = op<void(Tensor&, Tensor&, const Tensor&, double)>("raypage::fused_add_rms_norm");
   static const auto rotary =
@@ -49,8 +51,11 @@ std::tuple<Tensor, Tensor> llama_decoder_layer(
   static const auto cache_write =
       op<void(const Tensor&, const Tensor&, Tensor&, const Tensor&)>("raypage::reshape_and_cache");
   static const auto decode_attention =
-      op<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>(
-          "raypage::paged_decode_attention");
+      op<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+              const std::optional<Tensor>&)>("raypage::paged_decode_attention");
+  static const auto cascade_attention =
+      op<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, double)>(
+          "raypage::cascade_decode_attention");
   static const auto prefill_attention =
       op<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>(
           "raypage::tiled_prefill_attention");
@@ -77,8 +82,13 @@ std::tuple<Tensor, Tensor> llama_decoder_layer(
   Tensor attended = at::empty_like(query);
   if (num_decodes > 0) {
     Tensor decoded = attended.narrow(0, 0, num_decodes);
-    decode_attention.call(decoded, query.narrow(0, 0, num_decodes), kv_cache, block_table.narrow(0, 0, num_decodes),
-                          seq_lens.narrow(0, 0, num_decodes), scale);
+    const Tensor rows = query.narrow(0, 0, num_decodes), table = block_table.narrow(0, 0, num_decodes);
+    const Tensor lens = seq_lens.narrow(0, 0, num_decodes);
+    if (shared_blocks > 0) {
+      cascade_attention.call(decoded, rows, kv_cache, table, lens, shared_blocks, scale);
+    } else {
+      decode_attention.call(decoded, rows, kv_cache, table, lens, scale, std::nullopt);
+    }
   }
   const int64_t num_seqs = seq_lens.size(0);
   if (num_decodes < num_seqs) {
@@ -98,7 +108,8 @@ TORCH_LIBRARY_FRAGMENT(raypage, m) {
       "llama_decoder_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor positions, Tensor input_norm, "
       "Tensor qkv, Tensor? qkv_bias, Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, Tensor cos, "
       "Tensor sin, Tensor(c!) kv_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, int num_decodes, int num_heads, int num_kv_heads, float eps, float scale) "
+      "Tensor query_start_loc, int num_decodes, int shared_blocks, int num_heads, int num_kv_heads, float eps, "
+      "float scale) "
       "-> (Tensor, Tensor)");
 }
 

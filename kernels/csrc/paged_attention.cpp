@@ -5,6 +5,9 @@
 //   kv_cache     [2, num_kv_heads, num_blocks, block_size, head_dim], contiguous (keys, then values)
 //   block_table  [num_seqs, >= blocks needed] int64, any strides (a slice of the batch's table)
 //   seq_lens     [num_seqs] int64, tokens each sequence attends to (its cached context and itself)
+//   lse          optional float32 [num_seqs, num_heads]: each row's log-sum-exp of its scaled scores
+//                (max + log of the softmax's sum), for merging with attention over other keys
+//                (cascade_decode_attention in tiled_attention.cpp)
 //
 // One work item is a (sequence, KV head) pair: the query heads that share the KV head are attended
 // together, so each key and value row is read from memory once for the whole group. Items are
@@ -34,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -157,6 +161,8 @@ struct Layout {
   const T *q_data, *k_data, *v_data;
   const int64_t* bt_data;
   T* o_data;
+  float* lse_data = nullptr;  // with lse_seq_stride: the optional log-sum-exp output
+  int64_t lse_seq_stride = 0;
 
   Layout(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table)
       : head_dim(query.size(2)),
@@ -179,6 +185,9 @@ struct Layout {
 
   const T* query_row(int64_t s, int64_t head) const { return q_data + s * q_seq_stride + head * q_head_stride; }
   T* out_row(int64_t s, int64_t head) const { return o_data + s * o_seq_stride + head * o_head_stride; }
+  void store_lse(int64_t s, int64_t head, float peak, float total) const {
+    if (lse_data) lse_data[s * lse_seq_stride + head] = peak + std::log(total);
+  }
   // The first row of token t0's block (keys or values of KV head h), checked against the cache's size.
   RAYPAGE_INLINE const T* rows(const T* cache, int64_t s, int64_t h, int64_t t0) const {
     const int64_t block = bt_data[s * bt_seq_stride + (t0 / block_size) * bt_block_stride];
@@ -272,7 +281,9 @@ void attend_widened(const Layout<T>& L, const WorkItem& item, const WorkItem* ne
     float* p = &scores[g * max_len];
     round_scaled<T>(p, len, 1.f, scale);  // a bf16 matmul's output, scaled in float32
     // Softmax in float32; probabilities rounded to the cache dtype.
-    const float total = exp_shifted(p, len, *std::max_element(p, p + len));
+    const float peak = *std::max_element(p, p + len);
+    const float total = exp_shifted(p, len, peak);
+    L.store_lse(s, h * group + g, peak, total);
     round_scaled<T>(p, len, 1.f / total, 1.f);
   }
   // Pass 2: the probability-weighted sum of the values, read block by block in place.
@@ -363,7 +374,9 @@ void attend_bf16(const Layout<c10::BFloat16>& L, const WorkItem& item, const Wor
   if (next) L.prefetch_start(*next);
   for (int g = 0; g < kGroup; ++g) {
     float* p = scores + g * max_len;
-    const __m512 inverse = _mm512_set1_ps(1.f / exp_shifted(p, len, _mm512_reduce_max_ps(peak[g])));
+    const float top = _mm512_reduce_max_ps(peak[g]), total = exp_shifted(p, len, top);
+    L.store_lse(s, h * kGroup + g, top, total);
+    const __m512 inverse = _mm512_set1_ps(1.f / total);
     uint16_t* pb = probs + g * p_stride;
     int64_t t = 0;
     for (; t + 16 <= len; t += 16) {  // rounded to nearest even, as static_cast<bf16> does
@@ -450,8 +463,13 @@ Bf16Attend bf16_kernel(int64_t head_dim, int64_t group, int64_t block_size) {
 
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                   const at::Tensor& block_table, const at::Tensor& seq_lens, float scale) {
-  const Layout<T> L(out, query, kv_cache, block_table);
+                   const at::Tensor& block_table, const at::Tensor& seq_lens, float scale,
+                   const std::optional<at::Tensor>& lse) {
+  Layout<T> L(out, query, kv_cache, block_table);
+  if (lse.has_value()) {
+    L.lse_data = lse->mutable_data_ptr<float>();
+    L.lse_seq_stride = lse->stride(0);
+  }
   const auto items = [&](auto attend) {
     for_each_item(seq_lens, kv_cache.size(1), L.block_size, block_table.size(1), attend);
   };
@@ -470,7 +488,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 }
 
 void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                            const std::optional<at::Tensor>& lse) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "paged_decode_attention: query and out must both be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -489,15 +508,18 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
               "paged_decode_attention: block_table must be int64 [num_seqs, blocks]");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kLong && seq_lens.size(0) == query.size(0),
               "paged_decode_attention: seq_lens must be int64 [num_seqs]");
+  TORCH_CHECK(!lse.has_value() || (lse->dim() == 2 && lse->scalar_type() == at::kFloat && lse->size(0) == query.size(0) &&
+                                    lse->size(1) == query.size(1) && lse->stride(1) == 1),
+              "paged_decode_attention: lse must be float32 [num_seqs, num_heads], contiguous along the heads");
   if (query.size(0) == 0) return;
   const float fscale = static_cast<float>(scale);
   switch (query.scalar_type()) {
     case at::kFloat:
-      return decode_kernel<float>(out, query, kv_cache, block_table, seq_lens, fscale);
+      return decode_kernel<float>(out, query, kv_cache, block_table, seq_lens, fscale, lse);
     case at::kBFloat16:
-      return decode_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, fscale);
+      return decode_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, fscale, lse);
     case at::kHalf:
-      return decode_kernel<c10::Half>(out, query, kv_cache, block_table, seq_lens, fscale);
+      return decode_kernel<c10::Half>(out, query, kv_cache, block_table, seq_lens, fscale, lse);
     default:
       TORCH_CHECK(false, "paged_decode_attention: dtype ", query.scalar_type(),
                   " is not supported (float32, bfloat16, float16)");
@@ -518,7 +540,7 @@ bool has_bf16_dot_product() {
 TORCH_LIBRARY(raypage, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
-      "Tensor seq_lens, float scale) -> ()");
+      "Tensor seq_lens, float scale, Tensor(b!)? lse=None) -> ()");
   m.def("has_bf16_dot_product() -> bool", &has_bf16_dot_product);
 }
 

@@ -36,8 +36,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -69,6 +72,10 @@ struct Layout {
   const bf16 *q_data, *k_data, *v_data;
   const int64_t* bt_data;
   bf16* o_data;
+  // Cascade's prefix pass: each row's log-sum-exp over its own keys (merge_lse_stride apart), whose
+  // attention `out` already holds, to merge this pass's into.
+  const float* merge_lse = nullptr;
+  int64_t merge_lse_stride = 0;
 
   Layout(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table)
       : head_dim(query.size(2)),
@@ -125,6 +132,32 @@ alignas(64) constexpr int16_t kLowPairs[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4, 
 alignas(64) constexpr int16_t kHighPairs[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 
+// r[i] lane j <-> r[j] lane i: 16 vectors of 16 32-bit lanes transposed in registers (pairs, then
+// quadruples within 128-bit lanes, then the 128-bit lanes themselves).
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 inline __m512bh broadcast_pair(const void* p) {
   int32_t pair;
   std::memcpy(&pair, p, sizeof pair);
@@ -144,7 +177,7 @@ inline __mmask16 sees_key(const Item& item, int64_t t) {
 constexpr int keys_step(int group) { return group == 1 ? 16 : group <= 3 ? 8 : group <= 6 ? 4 : 2; }
 constexpr int elems_step(int group) { return group == 1 ? 16 : group <= 3 ? 8 : group <= 6 ? 4 : 2; }
 
-template <int kChunks, int kGroup>
+template <int kChunks, int kGroup, bool kMerge>
 void attend_item(const Layout& L, const Item& item, float scale) {
   constexpr int64_t head_dim = 32 * kChunks, pairs = head_dim / 2;
   constexpr int kKeys = keys_step(kGroup), kElems = elems_step(kGroup);
@@ -157,14 +190,17 @@ void attend_item(const Layout& L, const Item& item, float scale) {
   int32_t* values = reinterpret_cast<int32_t*>(probs + kGroup * kv_pairs);  // [kv_pairs][head_dim]
 
   for (int64_t b = 0; b < kBlocksAhead; ++b) L.prefetch_block(item, b * L.block_size);
-  // Queries as [head][pair][token]: each token's pair of elements in its 32-bit lane.
-#pragma GCC unroll 16
+  // Queries as [head][pair][token]: each token's pair of elements in its 32-bit lane; 16 tokens' rows
+  // of 16 pairs transposed at a time (absent tokens' lanes zero).
   for (int g = 0; g < kGroup; ++g) {
     const bf16* head = L.q_data + item.row * L.q_row_stride + (item.h * kGroup + g) * L.q_head_stride;
-    for (int64_t p = 0; p < pairs; ++p) {
-      alignas(64) int32_t lanes[kTokens] = {};
-      for (int64_t j = 0; j < item.tokens; ++j) std::memcpy(&lanes[j], head + j * L.q_row_stride + 2 * p, 4);
-      q[g * pairs + p] = (__m512bh)_mm512_load_si512(lanes);
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      __m512 rows[kTokens];
+      for (int64_t j = 0; j < kTokens; ++j) {
+        rows[j] = j < item.tokens ? _mm512_loadu_ps(head + j * L.q_row_stride + 2 * p0) : _mm512_setzero_ps();
+      }
+      transpose16(rows);
+      for (int64_t p = 0; p < 16; ++p) q[g * pairs + p0 + p] = (__m512bh)rows[p];
     }
   }
 
@@ -206,6 +242,7 @@ void attend_item(const Layout& L, const Item& item, float scale) {
 
   // 2. Softmax along each token's keys. A probability pair is two keys' bf16 values in one 32-bit
   // lane, the first key's in the low half, as `vdpbf16ps` pairs them with two values.
+  alignas(64) float lane_peak[kGroup][kTokens], lane_total[kGroup][kTokens];  // for a merge
 #pragma GCC unroll 16
   for (int g = 0; g < kGroup; ++g) {
     __m512* row = scores + g * kv_len;
@@ -217,6 +254,10 @@ void attend_item(const Layout& L, const Item& item, float scale) {
     }
     // Lanes of absent tokens see no key: their total is 0 and their probabilities go unused.
     const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.f), total);
+    if constexpr (kMerge) {
+      _mm512_store_ps(lane_peak[g], peak[g]);
+      _mm512_store_ps(lane_total[g], total);
+    }
     const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     for (int64_t t = 0; t < kv_len; t += 2) {
       const __m512i first = _mm512_castps_si512(round_lanes<bf16>(_mm512_mul_ps(row[t], inverse)));
@@ -272,38 +313,67 @@ void attend_item(const Layout& L, const Item& item, float scale) {
         for (int e = 0; e < kElems; ++e) _mm512_store_ps(out_t[g] + (d0 + e) * kTokens, acc[g][e]);
     }
   }
-#pragma GCC unroll 16
+  // Each head's O^T back to token rows, 16 elements at a time, rounded to bf16 once; with a merge,
+  // first weighted with the row's own part (already in `out`) by each part's share of the softmax.
   for (int g = 0; g < kGroup; ++g) {
-    for (int64_t j = 0; j < item.tokens; ++j) {
-      bf16* o = L.o_data + (item.row + j) * L.o_row_stride + (item.h * kGroup + g) * L.o_head_stride;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<bf16>(out_t[g][d * kTokens + j]);
+    alignas(64) float w_mine[kTokens] = {}, w_own[kTokens] = {};
+    if constexpr (kMerge) {
+      for (int64_t j = 0; j < item.tokens; ++j) {
+        const float own = L.merge_lse[(item.row + j) * L.merge_lse_stride + item.h * kGroup + g];
+        const float mine = lane_peak[g][j] + std::log(lane_total[g][j]), top = std::max(own, mine);
+        const float a = std::exp(mine - top), b = std::exp(own - top);
+        w_mine[j] = a / (a + b);
+        w_own[j] = b / (a + b);
+      }
+    }
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+      __m512 rows[kTokens];
+      for (int64_t e = 0; e < 16; ++e) rows[e] = _mm512_load_ps(out_t[g] + (d0 + e) * kTokens);
+      transpose16(rows);
+      for (int64_t j = 0; j < item.tokens; ++j) {
+        bf16* o = L.o_data + (item.row + j) * L.o_row_stride + (item.h * kGroup + g) * L.o_head_stride + d0;
+        __m512 value = rows[j];
+        if constexpr (kMerge) {
+          value = _mm512_fmadd_ps(_mm512_set1_ps(w_mine[j]), value, _mm512_mul_ps(_mm512_set1_ps(w_own[j]), load_floats(o)));
+        }
+        store_rounded(o, round_lanes<bf16>(value));
+      }
     }
   }
 }
 
 using AttendItem = void (*)(const Layout&, const Item&, float);
 
-template <int kChunks>
+template <int kChunks, bool kMerge>
 AttendItem for_group(int64_t group) {
   switch (group) {
-    case 1: return &attend_item<kChunks, 1>;
-    case 2: return &attend_item<kChunks, 2>;
-    case 3: return &attend_item<kChunks, 3>;
-    case 4: return &attend_item<kChunks, 4>;
-    case 6: return &attend_item<kChunks, 6>;
-    case 8: return &attend_item<kChunks, 8>;
+    case 1: return &attend_item<kChunks, 1, kMerge>;
+    case 2: return &attend_item<kChunks, 2, kMerge>;
+    case 3: return &attend_item<kChunks, 3, kMerge>;
+    case 4: return &attend_item<kChunks, 4, kMerge>;
+    case 6: return &attend_item<kChunks, 6, kMerge>;
+    case 8: return &attend_item<kChunks, 8, kMerge>;
     default: return nullptr;
   }
 }
 
+template <bool kMerge = false>
 AttendItem kernel_for(int64_t head_dim, int64_t group, int64_t block_size) {
   if (block_size % kTokens != 0) return nullptr;
   switch (head_dim) {
-    case 32: return for_group<1>(group);
-    case 64: return for_group<2>(group);
-    case 128: return for_group<4>(group);
+    case 32: return for_group<1, kMerge>(group);
+    case 64: return for_group<2, kMerge>(group);
+    case 128: return for_group<4, kMerge>(group);
     default: return nullptr;
   }
+}
+
+// Runs attend(L, item, scale) for every item on the intra-op threads, handed out in order.
+void run_items(const Layout& L, AttendItem attend, const std::vector<Item>& items, float scale) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items.size()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) attend(L, items[i], scale);
+  });
 }
 #endif  // __AVX512BF16__
 
@@ -357,11 +427,56 @@ void tiled_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.kv_len > b.kv_len; });
-  std::atomic<int64_t> next{0};
-  const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items.size()), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) attend(L, items[i], fscale);
-  });
+  run_items(L, attend, items, static_cast<float>(scale));
+#endif
+}
+
+void cascade_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                              const at::Tensor& block_table, const at::Tensor& seq_lens, int64_t shared_blocks,
+                              double scale) {
+  const int64_t num_seqs = query.size(0), block_size = kv_cache.size(3), shared_len = shared_blocks * block_size;
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs &&
+                  block_table.dim() == 2 && block_table.size(0) == num_seqs && kv_cache.dim() == 5,
+              "cascade_decode_attention: query and out [num_seqs, num_heads, head_dim], seq_lens [num_seqs], "
+              "block_table [num_seqs, blocks], kv_cache [2, kv_heads, blocks, block_size, head_dim]");
+  TORCH_CHECK(shared_blocks >= 1 && shared_blocks < block_table.size(1) && seq_lens.scalar_type() == at::kLong &&
+                  block_table.scalar_type() == at::kLong,
+              "cascade_decode_attention: shared_blocks must leave a block of the table's ", block_table.size(1),
+              ", and seq_lens and block_table be int64");
+  const auto lens = seq_lens.accessor<int64_t, 1>();
+  const auto table = block_table.accessor<int64_t, 2>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    bool shares = lens[s] > shared_len;
+    for (int64_t b = 0; b < shared_blocks && shares; ++b) shares = table[s][b] == table[0][b];
+    TORCH_CHECK(shares, "cascade_decode_attention: sequence ", s, " does not hold the first ", shared_blocks,
+                " blocks of sequence 0 and tokens past them");
+  }
+  TORCH_CHECK(tiled_attention_serves(query.size(2), query.size(1) / kv_cache.size(1), block_size),
+              "cascade_decode_attention: head_dim ", query.size(2), ", ", query.size(1) / kv_cache.size(1),
+              " query heads per KV head and blocks of ", block_size, " are not served here");
+  if (num_seqs == 0) return;
+  // 1. Each row over its own tokens past the prefix, with each row's log-sum-exp.
+  static const auto decode = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("raypage::paged_decode_attention", "")
+                                 .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                             const at::Tensor&, double, const std::optional<at::Tensor>&)>();
+  const at::Tensor own_lse = at::empty({num_seqs, query.size(1)}, query.options().dtype(at::kFloat));
+  decode.call(out, query, kv_cache, block_table.narrow(1, shared_blocks, block_table.size(1) - shared_blocks),
+              seq_lens - shared_len, scale, own_lse);
+#if defined(__AVX512BF16__)
+  // 2. The shared prefix, 16 rows (sequences) a tile, its keys read once for all of them through
+  // sequence 0's table, merged into each row's own part.
+  Layout L(out, query, kv_cache, block_table);
+  L.merge_lse = own_lse.const_data_ptr<float>();
+  L.merge_lse_stride = own_lse.stride(0);
+  std::vector<Item> items;
+  for (int64_t row = 0; row < num_seqs; row += kTokens) {
+    for (int64_t h = 0; h < kv_cache.size(1); ++h) {
+      // Every row sees every key of the prefix: the first "position" is past its last key.
+      items.push_back({0, h, row, std::min(kTokens, num_seqs - row), shared_len, shared_len});
+    }
+  }
+  run_items(L, kernel_for<true>(L.head_dim, L.group, L.block_size), items, static_cast<float>(scale));
 #endif
 }
 
@@ -371,7 +486,13 @@ TORCH_LIBRARY_FRAGMENT(raypage, m) {
   m.def(
       "tiled_prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> ()");
+  m.def(
+      "cascade_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "int shared_blocks, float scale) -> ()");
   m.def("tiled_attention_serves(int head_dim, int group, int block_size) -> bool", &tiled_attention_serves);
 }
 
-TORCH_LIBRARY_IMPL(raypage, CPU, m) { m.impl("tiled_prefill_attention", &tiled_prefill_attention); }
+TORCH_LIBRARY_IMPL(raypage, CPU, m) {
+  m.impl("tiled_prefill_attention", &tiled_prefill_attention);
+  m.impl("cascade_decode_attention", &cascade_decode_attention);
+}

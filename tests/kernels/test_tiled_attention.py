@@ -1,13 +1,15 @@
 """The tiled prefill kernel (torch.ops.raypage.tiled_prefill_attention, AVX-512 BF16) against the
 reference backend: GQA groups of 1-8, head sizes 32-128, blocks of 16 and 32; chunks of every length
 around the 16-token tiles, after cached contexts of whole and partial blocks; slots past each
-sequence's end holding NaN; row-strided query views; and the shapes it does not take."""
+sequence's end holding NaN; row-strided query views; and the shapes it does not take. Then cascade
+decode attention over a prefix many rows share, through the kernel and through the backend."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels.attention.cpu_paged import cascade_blocks, cpu_paged_attention
 from kernels.attention.random_batch import PagedBatch, random_paged_batch
 from kernels.attention.reference import reference_attention
 from kernels.build import cpu_kernels_available
@@ -111,3 +113,55 @@ def test_shapes_it_is_not_built_for_are_declined_and_refused() -> None:
             torch.empty_like(pb.query), pb.query, pb.kv_cache, meta.block_table, meta.seq_lens * 100,
             meta.query_start_loc_tensor, 1.0,
         )  # fmt: skip
+
+
+def shared_prefix_decodes(num_seqs: int, shared_blocks: int, seed: int = 0) -> PagedBatch:
+    """Decode rows whose tables begin with the same `shared_blocks` blocks (sequence 0's), each with
+    1-40 tokens of its own past them; the decodes' new keys and values stored."""
+    own = [1 + (7 * i) % 40 for i in range(num_seqs)]
+    pb = random_paged_batch(
+        [(shared_blocks * 16 + n - 1, 1) for n in own], heads=9, kv_heads=3, head_dim=64, block_size=16,
+        dtype=BF16, device=torch.device("cpu"), seed=seed,
+    )  # fmt: skip
+    pb.meta.block_table[:, :shared_blocks] = pb.meta.block_table[0, :shared_blocks].clone()
+    reshape_and_cache(pb.key, pb.value, pb.kv_cache, pb.meta.slot_mapping)
+    return pb
+
+
+@pytest.mark.parametrize(("num_seqs", "shared_blocks"), [(1, 1), (16, 8), (37, 3), (64, 24)])
+def test_cascade_decodes_match_reference(num_seqs: int, shared_blocks: int) -> None:
+    pb = shared_prefix_decodes(num_seqs, shared_blocks, seed=num_seqs)
+    want = expected(pb)
+    meta = pb.meta
+    assert num_seqs < 2 or meta.shared_decode_blocks >= shared_blocks  # one row shares with none
+    # NaN past every sequence's end: neither part may read it into a result.
+    for row, seq_len in enumerate(meta.seq_lens_list):
+        pb.kv_cache[:, :, meta.block_table[row, (seq_len - 1) // 16], seq_len % 16 or 16 :] = float("nan")
+    got = torch.full_like(pb.query, float("nan"))
+    torch.ops.raypage.cascade_decode_attention(
+        got, pb.query, pb.kv_cache, meta.block_table, meta.seq_lens, shared_blocks, 0.125
+    )
+    assert not got.isnan().any()
+    # The two parts' probabilities are rounded to bf16 each against its own sum, then merged in float32.
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+
+
+def test_cascade_refuses_rows_that_do_not_share_the_prefix() -> None:
+    pb = shared_prefix_decodes(4, 3)
+    pb.meta.block_table[2, 1] = pb.meta.block_table[0, 1] + 1
+    with pytest.raises(RuntimeError, match="sequence 2 does not hold the first 3 blocks"):
+        torch.ops.raypage.cascade_decode_attention(
+            torch.empty_like(pb.query), pb.query, pb.kv_cache, pb.meta.block_table, pb.meta.seq_lens, 3, 0.125
+        )
+
+
+def test_the_backend_attends_a_shared_prefix_once_for_many_decodes() -> None:
+    pb = shared_prefix_decodes(20, 9)
+    meta = pb.meta
+    assert cascade_blocks(meta) == meta.shared_decode_blocks >= 9
+    want = expected(pb)
+    got = cpu_paged_attention(pb.query, pb.key, pb.value, pb.kv_cache, meta, 0.125)
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    # Few rows, or a short prefix, attend the usual way.
+    assert cascade_blocks(shared_prefix_decodes(8, 9).meta) == 0
+    assert cascade_blocks(shared_prefix_decodes(20, 2).meta) == 0

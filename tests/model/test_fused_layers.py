@@ -5,6 +5,7 @@ and decodes batched together, and are fused only where every operator has its CP
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from kernels.linear import panel_kernel_serves
@@ -57,6 +58,30 @@ def test_fused_layers_compute_what_the_layer_by_layer_forward_does(tmp_path, fam
         layer.fused = None
     assert llm.reset_prefix_cache()
     assert generate(llm) == fused
+
+
+def test_fused_layers_take_cascade_attention_as_the_layer_by_layer_forward_does(tmp_path):
+    # 20 prompts sharing 144 tokens (9 blocks) of prefix: their decodes attend to it together.
+    folder = write_tiny_model(
+        tmp_path / "model", hidden_size=192, intermediate_size=256, num_heads=3, num_kv_heads=1
+    )
+    llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=256, block_size=16, max_num_seqs=32)
+    prompts = [{"prompt_token_ids": [*range(200, 344), 7 * i, 3]} for i in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def generate_counting_cascades():
+        with torch.profiler.profile() as profile:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        calls = sum(e.count for e in profile.key_averages() if e.key == "raypage::cascade_decode_attention")
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], calls
+
+    fused, fused_cascades = generate_counting_cascades()
+    for layer in decoder_layers(llm):
+        layer.fused = None
+    assert llm.reset_prefix_cache()
+    plain, plain_cascades = generate_counting_cascades()
+    assert fused == plain
+    assert fused_cascades == plain_cascades > 0
 
 
 def test_layers_whose_operators_lack_a_kernel_stay_unfused(tmp_path):
