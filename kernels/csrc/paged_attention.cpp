@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "paged_layout.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -153,48 +154,25 @@ struct WorkItem {
   int64_t s, h, len;
 };
 
-// Where one call's rows lie: the strides and base pointers every work item reads through.
+// The call's layout (paged_layout.h), with the optional log-sum-exp output and the prefetching.
 template <typename T>
-struct Layout {
-  int64_t head_dim, block_size, group, num_blocks, block_elems, head_elems;
-  int64_t q_seq_stride, q_head_stride, o_seq_stride, o_head_stride, bt_seq_stride, bt_block_stride;
-  const T *q_data, *k_data, *v_data;
-  const int64_t* bt_data;
-  T* o_data;
+struct Layout : raypage::PagedLayout<T> {
+  using raypage::PagedLayout<T>::block;
+  using raypage::PagedLayout<T>::block_size;
+  using raypage::PagedLayout<T>::block_elems;
+  using raypage::PagedLayout<T>::k_data;
+  using raypage::PagedLayout<T>::v_data;
   float* lse_data = nullptr;  // with lse_seq_stride: the optional log-sum-exp output
   int64_t lse_seq_stride = 0;
 
   Layout(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table)
-      : head_dim(query.size(2)),
-        block_size(kv_cache.size(3)),
-        group(query.size(1) / kv_cache.size(1)),
-        num_blocks(kv_cache.size(2)),
-        block_elems(block_size * head_dim),
-        head_elems(num_blocks * block_elems),  // one KV head's keys (or values), all blocks
-        q_seq_stride(query.stride(0)),
-        q_head_stride(query.stride(1)),
-        o_seq_stride(out.stride(0)),
-        o_head_stride(out.stride(1)),
-        bt_seq_stride(block_table.stride(0)),
-        bt_block_stride(block_table.stride(1)),
-        q_data(query.const_data_ptr<T>()),
-        k_data(kv_cache.const_data_ptr<T>()),
-        v_data(k_data + kv_cache.size(1) * head_elems),
-        bt_data(block_table.const_data_ptr<int64_t>()),
-        o_data(out.mutable_data_ptr<T>()) {}
+      : raypage::PagedLayout<T>("paged_decode_attention", out, query, kv_cache, block_table) {}
 
-  const T* query_row(int64_t s, int64_t head) const { return q_data + s * q_seq_stride + head * q_head_stride; }
-  T* out_row(int64_t s, int64_t head) const { return o_data + s * o_seq_stride + head * o_head_stride; }
   void store_lse(int64_t s, int64_t head, float peak, float total) const {
     if (lse_data) lse_data[s * lse_seq_stride + head] = peak + std::log(total);
   }
-  // The first row of token t0's block (keys or values of KV head h), checked against the cache's size.
-  RAYPAGE_INLINE const T* rows(const T* cache, int64_t s, int64_t h, int64_t t0) const {
-    const int64_t block = bt_data[s * bt_seq_stride + (t0 / block_size) * bt_block_stride];
-    TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block, " out of range [0, ",
-                num_blocks, ")");
-    return cache + h * head_elems + block * block_elems;
-  }
+  // The first row of token t0's block (keys or values of KV head h).
+  RAYPAGE_INLINE const T* rows(const T* cache, int64_t s, int64_t h, int64_t t0) const { return block(cache, s, h, t0); }
   // The block `ahead` blocks after token t0's is prefetched while this one is used.
   template <int kLocality = 3>
   RAYPAGE_INLINE void prefetch_next(const T* cache, int64_t s, int64_t h, int64_t t0, int64_t len,

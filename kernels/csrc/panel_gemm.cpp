@@ -10,8 +10,8 @@
 //     AMX: there oneDNN's tile matmuls are several times faster)
 //
 // Why not oneDNN: on a 2-core AVX-512 BF16 EPYC its brgemm ran SmolLM2's decode projections (64 rows,
-// weights streamed from memory) at 250-620 GFLOP/s against 420-800 here, and prefill-sized ones
-// (2,048 rows) at 620-790 against 660-850 (docs/performance.md, "Panel GEMM").
+// weights streamed from memory) at 340-610 GFLOP/s against 570-730 here, and prefill-sized ones
+// (2,048 rows) at 530-790 against 540-810 (`python -m kernels.bench_linear`; docs/performance.md).
 //
 // Layout. A shard's output columns come in panels of kPanel = 48 (three 16-lane vectors); within a
 // panel, for each pair of input columns (k, k+1), the columns' two weights sit side by side:

@@ -46,6 +46,7 @@
 #include <limits>
 #include <vector>
 
+#include "paged_layout.h"
 #include "simd.h"
 
 namespace {
@@ -65,36 +66,15 @@ struct Item {
   int64_t s, h, row, tokens, first_position, kv_len;
 };
 
-// Where one call's tensors lie.
-struct Layout {
-  int64_t head_dim, block_size, group, num_blocks, head_elems, block_elems;
-  int64_t q_row_stride, q_head_stride, o_row_stride, o_head_stride, bt_seq_stride, bt_block_stride;
-  const bf16 *q_data, *k_data, *v_data;
-  const int64_t* bt_data;
-  bf16* o_data;
+// The call's layout (paged_layout.h), with what cascade attention's prefix pass merges into.
+struct Layout : raypage::PagedLayout<bf16> {
   // Cascade's prefix pass: each row's log-sum-exp over its own keys (merge_lse_stride apart), whose
   // attention `out` already holds, to merge this pass's into.
   const float* merge_lse = nullptr;
   int64_t merge_lse_stride = 0;
 
   Layout(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table)
-      : head_dim(query.size(2)),
-        block_size(kv_cache.size(3)),
-        group(query.size(1) / kv_cache.size(1)),
-        num_blocks(kv_cache.size(2)),
-        head_elems(kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4)),
-        block_elems(kv_cache.size(3) * kv_cache.size(4)),
-        q_row_stride(query.stride(0)),
-        q_head_stride(query.stride(1)),
-        o_row_stride(out.stride(0)),
-        o_head_stride(out.stride(1)),
-        bt_seq_stride(block_table.stride(0)),
-        bt_block_stride(block_table.stride(1)),
-        q_data(query.const_data_ptr<bf16>()),
-        k_data(kv_cache.const_data_ptr<bf16>()),
-        v_data(k_data + kv_cache.size(1) * head_elems),
-        bt_data(block_table.const_data_ptr<int64_t>()),
-        o_data(out.mutable_data_ptr<bf16>()) {}
+      : PagedLayout("tiled_prefill_attention", out, query, kv_cache, block_table) {}
 
   // The keys of token t's block into L1, its values into L2 (if the item reads that far): blocks
   // lie anywhere in the cache, so the hardware's prefetcher cannot follow them.
@@ -110,10 +90,7 @@ struct Layout {
 
   // Token t's row of keys (or values) of KV head h of sequence s.
   const bf16* row(const bf16* cache, int64_t s, int64_t h, int64_t t) const {
-    const int64_t block = bt_data[s * bt_seq_stride + (t / block_size) * bt_block_stride];
-    TORCH_CHECK(block >= 0 && block < num_blocks, "tiled_prefill_attention: block id ", block,
-                " out of range [0, ", num_blocks, ")");
-    return cache + h * head_elems + block * block_elems + (t % block_size) * head_dim;
+    return block(cache, s, h, t) + (t % block_size) * head_dim;
   }
 };
 
@@ -193,7 +170,7 @@ void attend_item(const Layout& L, const Item& item, float scale) {
   // Queries as [head][pair][token]: each token's pair of elements in its 32-bit lane; 16 tokens' rows
   // of 16 pairs transposed at a time (absent tokens' lanes zero).
   for (int g = 0; g < kGroup; ++g) {
-    const bf16* head = L.q_data + item.row * L.q_row_stride + (item.h * kGroup + g) * L.q_head_stride;
+    const bf16* head = L.query_row(item.row, item.h * kGroup + g);
     for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
       __m512 rows[kTokens];
       for (int64_t j = 0; j < kTokens; ++j) {
@@ -331,7 +308,7 @@ void attend_item(const Layout& L, const Item& item, float scale) {
       for (int64_t e = 0; e < 16; ++e) rows[e] = _mm512_load_ps(out_t[g] + (d0 + e) * kTokens);
       transpose16(rows);
       for (int64_t j = 0; j < item.tokens; ++j) {
-        bf16* o = L.o_data + (item.row + j) * L.o_row_stride + (item.h * kGroup + g) * L.o_head_stride + d0;
+        bf16* o = L.out_row(item.row + j, item.h * kGroup + g) + d0;
         __m512 value = rows[j];
         if constexpr (kMerge) {
           value = _mm512_fmadd_ps(_mm512_set1_ps(w_mine[j]), value, _mm512_mul_ps(_mm512_set1_ps(w_own[j]), load_floats(o)));
