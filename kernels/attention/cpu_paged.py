@@ -62,7 +62,7 @@ def _tiled_serves_shape(head_dim: int, group: int, block_size: int) -> bool:
 
 
 # Cascade attention (tiled_attention.cpp) paid from about 16 decodes sharing 128 tokens, 1.5x at 64
-# sharing 384 (docs/performance.md, "Cascade attention").
+# sharing 384, and cost up to 1.7x below (docs/performance.md, "raypage's own kernels").
 CASCADE_MIN_DECODES = 16
 CASCADE_MIN_SHARED_TOKENS = 128
 
