@@ -215,9 +215,14 @@ void for_each_tile(int64_t begin, int64_t end, Body body) {
   }
 }
 
-// Rows per chunk, and the chunks of `rows`.
+// Rows per chunk, and the chunks of `rows`: as few chunks as fit the L2 budget, of about equal size,
+// because the threads split the items in order and one short chunk would leave a thread idle (128
+// rows of the down projection as 96 + 32 ran at two thirds of the rate of 64 + 64).
 std::pair<int64_t, int64_t> row_chunks(int64_t rows, int64_t k) {
-  const int64_t chunk_rows = std::clamp<int64_t>(kChunkBytes / (k * 2) / kTileRows * kTileRows, kTileRows, rows);
+  const int64_t most_rows = std::max<int64_t>(kChunkBytes / (k * 2) / kTileRows * kTileRows, kTileRows);
+  const int64_t chunks = std::max<int64_t>((rows + most_rows - 1) / most_rows, 1);
+  const int64_t even_rows = (rows + chunks - 1) / chunks;
+  const int64_t chunk_rows = (even_rows + kTileRows - 1) / kTileRows * kTileRows;
   return {chunk_rows, (rows + chunk_rows - 1) / chunk_rows};
 }
 

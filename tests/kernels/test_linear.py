@@ -101,7 +101,8 @@ def test_prepared_layers_round_a_float32_product_once(form: WeightForm, rows: in
         (9, 576, 960),  # a full tile and a one-row tile; panels of 48 columns only
         (64, 576, 3088),  # a last panel of one vector (3,088 = 64 x 48 + 16)
         (5, 1536, 32),  # a last (and only) panel of two vectors
-        (300, 1536, 48),  # rows in several chunks of the input (96 rows each at 1,536 inputs)
+        (300, 1536, 48),  # rows in chunks of the input (at most 96 rows at 1,536 inputs): 3 x 80 + 60
+        (100, 1536, 576),  # two chunks of 56 and 44 rows, each against 12 panels
         (2048, 1024, 96),  # many chunks of 144 rows, each against two panels
     ],
 )
