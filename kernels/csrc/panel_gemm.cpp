@@ -60,6 +60,8 @@ constexpr int64_t kTileRows = 8;
 constexpr int64_t kChunkBytes = 288 * 1024;  // input rows per chunk: about this much of L2
 constexpr int64_t kLine = 64;
 
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 bool panel_linear_serves() {
 #if defined(RAYPAGE_PANEL_GEMM)
   return true;
@@ -179,7 +181,7 @@ const std::array<std::array<TileFn, kTileRows>, kPanelVecs>& tile_table() {
 struct Panels {
   const uint16_t* data;
   int64_t n, k;
-  int64_t count() const { return (n + kPanel - 1) / kPanel; }
+  int64_t count() const { return ceil_div(n, kPanel); }
   int64_t width(int64_t panel) const { return std::min(kPanel, n - panel * kPanel); }
   const uint16_t* start(int64_t panel) const { return data + panel * kPanel * k; }
   int64_t lines(int64_t panel) const { return width(panel) * k * 2 / kLine; }
@@ -195,7 +197,7 @@ struct PanelPass {
   void tile(const bf16* a, int64_t k, int64_t row, int64_t rows, int64_t panel, int64_t t, int64_t tiles,
             const int64_t* next, bf16* out, int64_t ldc, float* gate) const {
     const int64_t next_lines = next ? panels.lines(*next) : 0;
-    const int64_t lines_per_tile = (next_lines + tiles - 1) / tiles;
+    const int64_t lines_per_tile = ceil_div(next_lines, tiles);
     const int64_t first_line = std::min(next_lines, t * lines_per_tile);
     const char* prefetch = next ? reinterpret_cast<const char*>(panels.start(*next)) + first_line * kLine : nullptr;
     tile_table<kEpilogue>()[panels.width(panel) / kVec - 1][rows - 1](
@@ -208,7 +210,7 @@ struct PanelPass {
 // The row tiles of rows [begin, end): body(t, tiles, row, rows).
 template <typename Body>
 void for_each_tile(int64_t begin, int64_t end, Body body) {
-  const int64_t tiles = (end - begin + kTileRows - 1) / kTileRows;
+  const int64_t tiles = ceil_div(end - begin, kTileRows);
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t row = begin + t * kTileRows;
     body(t, tiles, row, std::min(kTileRows, end - row));
@@ -220,10 +222,9 @@ void for_each_tile(int64_t begin, int64_t end, Body body) {
 // rows of the down projection as 96 + 32 ran at two thirds of the rate of 64 + 64).
 std::pair<int64_t, int64_t> row_chunks(int64_t rows, int64_t k) {
   const int64_t most_rows = std::max<int64_t>(kChunkBytes / (k * 2) / kTileRows * kTileRows, kTileRows);
-  const int64_t chunks = std::max<int64_t>((rows + most_rows - 1) / most_rows, 1);
-  const int64_t even_rows = (rows + chunks - 1) / chunks;
-  const int64_t chunk_rows = (even_rows + kTileRows - 1) / kTileRows * kTileRows;
-  return {chunk_rows, (rows + chunk_rows - 1) / chunk_rows};
+  const int64_t chunks = ceil_div(rows, most_rows);  // rows > 0: the ops return empty inputs early
+  const int64_t chunk_rows = ceil_div(ceil_div(rows, chunks), kTileRows) * kTileRows;
+  return {chunk_rows, ceil_div(rows, chunk_rows)};
 }
 
 // Runs body(row_begin, row_end, panel, next_panel or nullptr) for every (row chunk, panel) item,
