@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.frontend.stats import IterationStats
 from engine.outputs import SchedulerStats
-from engine.stats import IterationStats
 
 logger = logging.getLogger(__name__)
 

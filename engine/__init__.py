@@ -14,22 +14,22 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
-    from engine.logprobs import Logprob
+    from engine.frontend.llm import LLM
+    from engine.frontend.llm_engine import LLMEngine
+    from engine.frontend.logprobs import Logprob
     from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
     from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 # Each public name -> the module that defines it.
 _EXPORTS = {
-    "LLM": "engine.llm",
+    "LLM": "engine.frontend.llm",
     "BeamSearchOutput": "engine.outputs",
     "BeamSearchParams": "engine.sampling_params",
     "BeamSearchSequence": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "EngineConfig": "engine.config",
-    "LLMEngine": "engine.llm_engine",
-    "Logprob": "engine.logprobs",
+    "LLMEngine": "engine.frontend.llm_engine",
+    "Logprob": "engine.frontend.logprobs",
     "RequestOutput": "engine.outputs",
     "RequestOutputKind": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",

@@ -77,8 +77,8 @@ def write_random_llama(folder: Path, shape: LlamaShape, device: torch.device) ->
     random bf16 weights, drawn on `device` (seconds on a GPU for 1B parameters)."""
     from safetensors.torch import save_file
 
+    from engine.frontend.tokenizer import load_tokenizer
     from engine.models.model_files import ModelSource, packaged_model_path
-    from engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(ModelSource(packaged_model_path(), "gguf"))
     config = shape.hf_config(len(tokenizer))

@@ -36,11 +36,11 @@ from cluster.engine_args import add_engine_args, engine_settings_from_args
 from cluster.jobs.batch_lines import BatchLine, parse_batch_line
 from cluster.jobs.batch_results import ResultsFile, result_key
 from engine.config import EngineConfig
-from engine.input_processor import PromptType
-from engine.llm_engine import LLMEngine
+from engine.frontend.input_processor import PromptType
+from engine.frontend.llm_engine import LLMEngine
+from engine.frontend.tokenizer import render_chat_prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
-from engine.tokenizer import render_chat_prompt
 
 # Under `python -m` this module's __name__ is "__main__"; log under its real name.
 logger = logging.getLogger("cluster.jobs.batch")
@@ -115,7 +115,7 @@ def run_lines(
         params = msgspec.structs.replace(line.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
         request_id = str(line.number)
         try:
-            engine.add_request(request_id, engine_prompt(line, engine.tokenizer), params)
+            engine.add_request(request_id, engine_prompt(line, engine.frontend.tokenizer), params)
         # Too long a prompt, a token id outside the vocabulary, a template the messages break, ...
         except (ValueError, TemplateError) as exc:
             skipped.skip(line.number, str(exc))

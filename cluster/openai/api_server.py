@@ -15,9 +15,9 @@ from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, served_model_names
 from cluster.openai.drain import DrainState
 from cluster.openai.engine_watching_server import EngineWatchingServer
-from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
+from engine.frontend.async_llm_engine import AsyncLLMEngine
 
 API_KEY_ENV = "RAYPAGE_API_KEY"
 # Seconds uvicorn waits for open connections once the drain is over (their responses are complete

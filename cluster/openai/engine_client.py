@@ -9,13 +9,13 @@ from typing import Any, Protocol
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import ResolvedEngineConfig
-from engine.input_processor import InputProcessor, PromptType
+from engine.frontend.input_processor import InputProcessor, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
 class EngineClient(Protocol):
-    """The async engine interface of `engine.async_llm_engine.AsyncLLMEngine`."""
+    """The async engine interface of `engine.frontend.async_llm_engine.AsyncLLMEngine`."""
 
     config: ResolvedEngineConfig
     tokenizer: PreTrainedTokenizerBase

@@ -15,8 +15,8 @@ import time
 import uvicorn
 
 from cluster.openai.drain import DrainingServer, DrainState
-from engine.async_llm_engine import AsyncLLMEngine
 from engine.exceptions import EngineDeadError
+from engine.frontend.async_llm_engine import AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
 

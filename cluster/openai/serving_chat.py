@@ -23,7 +23,7 @@ from cluster.openai.protocol import (
     DeltaMessage,
 )
 from cluster.openai.serving_engine import OpenAIServing, ServingCall, raise_on_error, random_id
-from engine.logprobs import Logprob
+from engine.frontend.logprobs import Logprob
 from engine.outputs import CompletionOutput
 
 ROLE = "assistant"

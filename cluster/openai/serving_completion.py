@@ -24,7 +24,7 @@ from cluster.openai.serving_engine import (
     raise_on_error,
     random_id,
 )
-from engine.logprobs import Logprob
+from engine.frontend.logprobs import Logprob
 from engine.outputs import CompletionOutput, RequestOutput
 
 PositionLogprobs = dict[int, Logprob] | None

@@ -26,9 +26,9 @@ from cluster.openai.streaming import (
     sse_stream,
     within_deadline,
 )
+from engine.frontend.tokenizer import render_chat_prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import render_chat_prompt
 
 
 @dataclasses.dataclass
@@ -72,7 +72,7 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.default_timeout_s = default_timeout_s
         self.prompt_tokens_details = prompt_tokens_details
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.frontend.tokenizer
         self.max_model_len = engine.config.model.max_model_len
 
     def usage(
@@ -174,7 +174,9 @@ class OpenAIServing:
     def validate(self, prompt: EnginePrompt, params: SamplingParams) -> None:
         """The engine's own checks (vocabulary, logprob and sequence limits), run before the
         response starts so that a bad request is a 400 and never a broken stream."""
-        self.engine.input_processor.process("validation", {"prompt_token_ids": prompt.token_ids}, params)
+        self.engine.frontend.input_processor.process(
+            "validation", {"prompt_token_ids": prompt.token_ids}, params
+        )
 
     async def generate(
         self,

@@ -27,9 +27,9 @@ from prometheus_client import CollectorRegistry, Counter
 from tokenizers import Tokenizer
 
 from cluster.metrics import PREFIX
-from engine.detokenizer import IncrementalDetokenizer
 from engine.exceptions import EngineDeadError
-from engine.input_processor import PromptType
+from engine.frontend.detokenizer import IncrementalDetokenizer
+from engine.frontend.input_processor import PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from engine.worker.input_batch import position_seed

@@ -30,10 +30,10 @@ from cluster.openai.model_handlers import ServedModel
 from cluster.serve.failover import FailoverMetrics, FailoverSettings, NotResumableError, StreamProgress
 from cluster.serve.llm_server import EngineState
 from engine.config import EngineConfig
-from engine.detokenizer import backend_tokenizer
 from engine.exceptions import EngineDeadError
-from engine.input_processor import PromptType
-from engine.llm_engine import build_front_end
+from engine.frontend.detokenizer import backend_tokenizer
+from engine.frontend.input_processor import PromptType
+from engine.frontend.llm_engine import build_front_end
 from engine.outputs import RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
 

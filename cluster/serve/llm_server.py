@@ -26,10 +26,10 @@ from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, log_stats_periodically
 from cluster.serve.niceness import set_niceness
 from cluster.serve.routing import routing_stats
-from engine.async_llm_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
-from engine.input_processor import PromptType
+from engine.frontend.async_llm_engine import AsyncLLMEngine
+from engine.frontend.input_processor import PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 

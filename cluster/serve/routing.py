@@ -3,7 +3,7 @@ set by the deployment's `request_router_config`), chosen by the Serve key `routi
 
 - `kv_aware`: each replica reports in its routing stats (`routing_stats`) what its prefix cache
   holds (the chain hashes of its cached blocks, shortened) and its load; the router hashes the
-  prompt's token ids into the same chained block hashes (`engine.block_pool.chain_block_hashes`) and
+  prompt's token ids into the same chained block hashes (`engine.sched.block_pool.chain_block_hashes`) and
   sends the request to the replica holding the longest prefix of them, unless that replica's load
   exceeds the least-loaded one's by more than `load_margin` requests; a request with no hit goes to
   the least loaded. Between two reports, the prompts routed to a replica count as held by it.
@@ -26,7 +26,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from engine.block_pool import SUMMARY_HASH_BYTES, chain_block_hashes, hash_block_tokens
+from engine.sched.block_pool import SUMMARY_HASH_BYTES, chain_block_hashes, hash_block_tokens
 
 KV_AWARE, PREFIX_TEXT, POW2 = "kv_aware", "prefix_text", "pow2"
 ROUTING_POLICIES = (KV_AWARE, PREFIX_TEXT, POW2)

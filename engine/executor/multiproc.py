@@ -29,7 +29,7 @@ from engine.config import EngineConfig
 from engine.exceptions import EngineDeadError
 from engine.executor.base import Executor
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.process_utils import StopOnReleaseOrExit, available_cores, describe_exit
+from engine.process.process_utils import StopOnReleaseOrExit, available_cores, describe_exit
 from engine.worker.worker_proc import run_worker
 
 logger = logging.getLogger(__name__)

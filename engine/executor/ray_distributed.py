@@ -27,7 +27,7 @@ from engine.exceptions import EngineDeadError
 from engine.executor import ray_utils
 from engine.executor.base import Executor
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.process_utils import available_cores, free_port, interface_with_address
+from engine.process.process_utils import available_cores, free_port, interface_with_address
 from engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ import torch
 
 from engine.config import ResolvedEngineConfig
 from engine.forward_context import set_forward_context
-from engine.kv_cache_manager import cdiv
 from engine.models.fused_layers import fuse_decoder_layers
 from engine.models.layers import PagedAttention
 from engine.models.loader import load_model
@@ -30,6 +29,7 @@ from engine.outputs import (
 from engine.sample.metadata import SamplingMetadata, build_sampling_metadata
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs
 from engine.sampling_params import SamplingParams
+from engine.sched.kv_cache_manager import cdiv
 from engine.worker.cache_engine import CacheEngine
 from engine.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from engine.worker.input_batch import InputBatch, WorkerSequenceState

@@ -20,7 +20,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.outputs import SchedulerOutput
-from engine.process_utils import loopback_interface
+from engine.process.process_utils import loopback_interface
 from engine.worker.worker import Worker
 from parallel.state import destroy_model_parallel
 

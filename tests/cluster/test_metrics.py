@@ -6,8 +6,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger, token_buckets
+from engine.frontend.stats import FinishedRequestStats, IterationStats
 from engine.outputs import SchedulerStats
-from engine.stats import FinishedRequestStats, IterationStats
 
 
 def samples(logger: PrometheusStatLogger) -> dict[tuple[str, tuple], float]:

@@ -17,11 +17,11 @@ from cluster.openai import ServerSettings, build_app
 from cluster.openai.api_server import server_settings
 from cluster.openai.streaming import merge_streams, run_until_disconnect
 from engine.exceptions import EngineDeadError
-from engine.input_processor import InputProcessor
+from engine.frontend.input_processor import InputProcessor
+from engine.frontend.tokenizer import load_tokenizer
 from engine.models.model_files import ModelSource, packaged_model_path
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.tokenizer import load_tokenizer
 
 MODEL = "fake"
 MAX_MODEL_LEN = 64

@@ -23,8 +23,8 @@ import uvicorn
 from cluster.openai import ServerSettings, build_app, middleware
 from cluster.openai.input_checks import find_invalid_string, format_path
 from cluster.openai.protocol import MAX_STOP_STRINGS, CompletionRequest
+from engine.frontend.tokenizer import load_tokenizer, render_chat_prompt
 from engine.models.model_files import ModelSource, packaged_model_path
-from engine.tokenizer import load_tokenizer, render_chat_prompt
 from tests.cluster.remote_server import free_port
 from tests.cluster.test_openai_app import MODEL, ScriptedEngine, assert_error, call
 

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from cluster.serve.failover import NotResumableError, StreamProgress
 from cluster.serve_app import build_app
 from engine import LLM
-from engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.input_batch import position_seed

@@ -6,8 +6,8 @@ import threading
 import time
 
 from engine import SamplingParams
-from engine.core import EngineCore
 from engine.outputs import EngineCoreRequest
+from engine.process.core import EngineCore
 
 LONG_RUN = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
 

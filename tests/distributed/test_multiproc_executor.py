@@ -14,12 +14,12 @@ import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config_resolve import resolve_engine_config
-from engine.core import EngineCore
 from engine.exceptions import EngineDeadError
 from engine.executor.base import Executor
 from engine.executor.multiproc import MultiprocExecutor
 from engine.executor.ray_distributed import RayDistributedExecutor
 from engine.executor.uniproc import UniProcExecutor
+from engine.process.core import EngineCore
 from tests.distributed.background_steps import BackgroundSteps
 from tests.engine_proc.helpers import process_exists
 from tests.model.tiny_models import write_tiny_model

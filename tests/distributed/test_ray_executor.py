@@ -21,10 +21,10 @@ from ray.cluster_utils import Cluster
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config_resolve import resolve_engine_config
-from engine.core import EngineCore
 from engine.exceptions import EngineDeadError
 from engine.executor.ray_distributed import RayDistributedExecutor
 from engine.executor.ray_utils import rank_order
+from engine.process.core import EngineCore
 from tests.distributed.background_steps import BackgroundSteps
 from tests.model.tiny_models import write_tiny_model
 

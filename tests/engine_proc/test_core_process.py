@@ -12,9 +12,9 @@ import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.config_resolve import resolve_engine_config
-from engine.core_client import SyncMPClient
 from engine.exceptions import EngineDeadError, EngineStartupError
 from engine.outputs import EngineCoreRequest
+from engine.process.core_client import SyncMPClient
 
 from .helpers import PROMPTS, SETTINGS, process_exists, process_is_running, wait_until
 

@@ -6,12 +6,12 @@ import functools
 
 import pytest
 
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.stats import IterationStats
+from engine.frontend.tokenizer import load_tokenizer
 from engine.models.model_files import ModelSource, packaged_model_path
-from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.stats import IterationStats
-from engine.tokenizer import load_tokenizer
 
 DELTA, CUMULATIVE, FINAL_ONLY = (
     RequestOutputKind.DELTA,

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from engine.frontend.tokenizer import load_tokenizer
 from engine.models.model_files import ModelSource, packaged_model_path
-from engine.tokenizer import load_tokenizer
 
 
 def write_tiny_model(

@@ -3,8 +3,8 @@ sequence's computed count) or reads the pools' state."""
 
 from __future__ import annotations
 
-from engine.kv_cache_manager import KVCacheManager, SlotAllocation
-from engine.request import Sequence
+from engine.sched.kv_cache_manager import KVCacheManager, SlotAllocation
+from engine.sched.request import Sequence
 from tests.unit.scheduler_helpers import make_request
 
 BS = 4  # block size used throughout

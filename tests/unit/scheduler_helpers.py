@@ -33,9 +33,9 @@ from engine.outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from engine.request import Request
 from engine.sampling_params import BeamSearchParams, SamplingParams
-from engine.scheduler import Scheduler
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler
 from tests.unit.scheduler_invariants import check_invariants
 
 # (seq_id, all known tokens of the sequence) -> the token the "model" samples next.

@@ -10,9 +10,9 @@ import itertools
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, KVCacheBlock
-from engine.request import Request, RequestStatus, Sequence
-from engine.scheduler import Scheduler
+from engine.sched.block_pool import BlockPool, KVCacheBlock
+from engine.sched.request import Request, RequestStatus, Sequence
+from engine.sched.scheduler import Scheduler
 
 
 def held_blocks(scheduler: Scheduler) -> dict[str, list[int]]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from hypothesis import strategies as st
 
-from engine.request import Request
+from engine.sched.request import Request
 from tests.unit.scheduler_helpers import (
     make_beam_request,
     make_request,

@@ -6,9 +6,9 @@ import functools
 
 from tokenizers import Tokenizer
 
-from engine.detokenizer import backend_tokenizer
+from engine.frontend.detokenizer import backend_tokenizer
+from engine.frontend.tokenizer import load_tokenizer
 from engine.models.model_files import ModelSource, packaged_model_path
-from engine.tokenizer import load_tokenizer
 
 IM_END = 2  # <|im_end|>, a special token of SmolLM2
 

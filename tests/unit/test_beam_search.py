@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.beam_search import BeamSearchState, Candidate
+from engine.sched.beam_search import BeamSearchState, Candidate
 
 EOS = 9
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_block_tokens
+from engine.sched.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_block_tokens
 
 
 def ids(blocks) -> list[int]:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer
 from tests.unit.smollm2_tokens import IM_END, encode, smollm2_tokenizer
 
 

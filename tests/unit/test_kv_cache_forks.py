@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.kv_cache_manager import KVCacheManager, SlotAllocation
+from engine.sched.kv_cache_manager import KVCacheManager, SlotAllocation
 from tests.unit.kv_cache_helpers import (
     BS,
     admit,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from engine.block_pool import SUMMARY_HASH_BYTES, chain_block_hashes
-from engine.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, cdiv
+from engine.sched.block_pool import SUMMARY_HASH_BYTES, chain_block_hashes
+from engine.sched.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, cdiv
 from tests.unit.kv_cache_helpers import (
     BS,
     admit,

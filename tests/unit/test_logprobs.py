@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from engine.logprobs import Logprob, decode_logprob_token, make_logprobs_dict
+from engine.frontend.logprobs import Logprob, decode_logprob_token, make_logprobs_dict
 from tests.unit.smollm2_tokens import IM_END, encode
 
 

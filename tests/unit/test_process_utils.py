@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.process_utils import interface_with_address, loopback_interface
+from engine.process.process_utils import interface_with_address, loopback_interface
 
 
 def test_the_loopback_address_is_on_the_loopback_interface():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine.outputs import FinishReason, ModelRunnerOutput
-from engine.request import RequestStatus, SequenceStatus
+from engine.sched.request import RequestStatus, SequenceStatus
 from tests.unit.scheduler_helpers import (
     make_request,
     outputs_by_id,

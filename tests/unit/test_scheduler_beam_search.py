@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.outputs import FinishReason
-from engine.request import RequestStatus, SequenceStatus
+from engine.sched.request import RequestStatus, SequenceStatus
 from tests.unit.reference_beam_search import reference_beam_search
 from tests.unit.scheduler_helpers import (
     block_ref_counts,

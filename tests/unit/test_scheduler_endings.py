@@ -7,7 +7,7 @@ The fake worker samples `1000 + len(tokens)` unless a test scripts its tokens.
 from __future__ import annotations
 
 from engine.outputs import FinishReason
-from engine.request import RequestStatus, SequenceStatus
+from engine.sched.request import RequestStatus, SequenceStatus
 from tests.unit.scheduler_helpers import (
     FakeWorker,
     make_request,

@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from engine.outputs import FinishReason
-from engine.request import RequestStatus, SequenceStatus
+from engine.sched.request import RequestStatus, SequenceStatus
 from tests.unit.reference_beam_search import reference_sequence
 from tests.unit.scheduler_helpers import (
     block_ref_counts,
@@ -356,7 +356,7 @@ def test_group_preempted_by_recompute(kwargs, warns, caplog):
     scheduler, worker, a, b = two_forked_groups(**kwargs)
     tokens = {seq.seq_id: list(seq.output_token_ids) for request in (a, b) for seq in request.seqs}
     reasons: dict = {}
-    with caplog.at_level(logging.WARNING, logger="engine.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="engine.sched.scheduler"):
         out, outputs = step(scheduler, worker)
     collect(outputs, tokens, reasons)
     assert ("preempted by recompute" in caplog.text) == warns

@@ -7,7 +7,7 @@ tells at which sequence length it was sampled.
 from __future__ import annotations
 
 from engine.outputs import FinishReason
-from engine.request import RequestStatus, SequenceStatus
+from engine.sched.request import RequestStatus, SequenceStatus
 from tests.unit.scheduler_helpers import (
     collect,
     make_request,

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 
 from engine.outputs import EngineCoreOutput, FinishReason, SchedulerOutput
-from engine.request import Request, RequestStatus, SequenceStatus
-from engine.scheduler import Scheduler
+from engine.sched.request import Request, RequestStatus, SequenceStatus
+from engine.sched.scheduler import Scheduler
 from tests.unit.reference_beam_search import reference_beam_search, reference_sequence
 from tests.unit.scheduler_helpers import (
     FakeWorker,

@@ -2,17 +2,17 @@
 
 Parallel sampling (n, best_of) forks the prompt's sequence once the prompt but its last token is
 cached; beam search forks the beams chosen more than once and finishes (prunes) the others at
-every step, as engine/beam_search.py decides. Forks share their parent's KV blocks (copied on
+every step, as engine/sched/beam_search.py decides. Forks share their parent's KV blocks (copied on
 write by the KV cache manager). Finishing a sequence frees its blocks at once.
 """
 
 from __future__ import annotations
 
-from engine.beam_search import BeamSearchState
-from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import EngineCoreOutput, LogprobsLists
-from engine.request import Request, Sequence, SequenceStatus
-from engine.step_plan import WorkerSequences
+from engine.sched.beam_search import BeamSearchState
+from engine.sched.kv_cache_manager import KVCacheManager
+from engine.sched.request import Request, Sequence, SequenceStatus
+from engine.sched.step_plan import WorkerSequences
 
 
 class SequenceGroups:

@@ -14,11 +14,11 @@ import time
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
-from engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
-from engine.logprobs import Logprob, make_logprobs_dict
+from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
+from engine.frontend.logprobs import Logprob, make_logprobs_dict
+from engine.frontend.stats import FinishedRequestStats, IterationStats, RequestTimes
 from engine.outputs import CompletionOutput, EngineCoreOutput, EngineCoreRequest, LogprobsLists, RequestOutput
 from engine.sampling_params import RequestOutputKind
-from engine.stats import FinishedRequestStats, IterationStats, RequestTimes
 
 Logprobs = list[dict[int, Logprob]]
 # Preceding tokens a logprob's decoded text may need: a UTF-8 character spans at most 4 tokens.

@@ -17,8 +17,8 @@ from engine.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import tempfile
 from multiprocessing.process import BaseProcess
 
 from engine.config import EngineConfig
-from engine.core_proc import run_engine_core
-from engine.process_utils import StopOnReleaseOrExit, describe_exit
+from engine.process.core_proc import run_engine_core
+from engine.process.process_utils import StopOnReleaseOrExit, describe_exit
 
 logger = logging.getLogger(__name__)
 

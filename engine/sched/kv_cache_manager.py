@@ -12,8 +12,8 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
 
-from engine.block_pool import BlockHash, BlockPool, KVCacheBlock, chain_block_hashes
-from engine.request import Sequence
+from engine.sched.block_pool import BlockHash, BlockPool, KVCacheBlock, chain_block_hashes
+from engine.sched.request import Sequence
 
 
 def cdiv(a: int, b: int) -> int:

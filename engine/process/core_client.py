@@ -3,7 +3,7 @@
 - `InprocClient`: the core runs in the caller's thread; each `get_output` is one step. No extra
   process: the cheapest to start, and tests can reach into the scheduler.
 - `SyncMPClient` (LLMEngine) and `AsyncMPClient` (AsyncLLMEngine): the core runs in its own process
-  (engine/core_proc.py), so the model's steps overlap the front end's tokenization and
+  (engine/process/core_proc.py), so the model's steps overlap the front end's tokenization and
   detokenization. Messages go out on a PUSH socket and come back on a PULL socket, two frames each
   (type, msgpack body); a result of a utility call (`get_stats`) is matched to its caller by id.
 
@@ -25,9 +25,6 @@ import zmq
 import zmq.asyncio
 
 from engine.config import ResolvedEngineConfig
-from engine.core import EngineCore
-from engine.core_launcher import CoreProcess
-from engine.core_wire import MessageDecoder, encode_message
 from engine.exceptions import EngineDeadError, EngineStartupError
 from engine.outputs import (
     AbortRequests,
@@ -41,6 +38,9 @@ from engine.outputs import (
     UtilityOutput,
     UtilityRequest,
 )
+from engine.process.core import EngineCore
+from engine.process.core_launcher import CoreProcess
+from engine.process.core_wire import MessageDecoder, encode_message
 
 T = TypeVar("T")
 

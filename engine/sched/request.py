@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import enum
 
-from engine.beam_search import Hypothesis
 from engine.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sched.beam_search import Hypothesis
 
 
 class RequestStatus(enum.IntEnum):

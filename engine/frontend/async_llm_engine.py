@@ -18,14 +18,14 @@ from typing import Any
 import msgspec
 
 from engine.config import EngineConfig
-from engine.core_client import DEFAULT_READY_TIMEOUT_S, EngineCoreClient
 from engine.exceptions import EngineDeadError, EngineOverloadedError
-from engine.input_processor import PromptType
-from engine.llm_engine import build_front_end
-from engine.output_processor import OutputProcessor
+from engine.frontend.input_processor import PromptType
+from engine.frontend.llm_engine import build_front_end
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.stats import FinishedRequestStats, IterationStats, StatLogger
 from engine.outputs import EngineCoreOutputs, RequestOutput, SchedulerStats
+from engine.process.core_client import DEFAULT_READY_TIMEOUT_S, EngineCoreClient
 from engine.sampling_params import BeamSearchParams, SamplingParams
-from engine.stats import FinishedRequestStats, IterationStats, StatLogger
 
 logger = logging.getLogger(__name__)
 

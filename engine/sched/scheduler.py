@@ -9,11 +9,11 @@ sequences (whose shared blocks recompute would duplicate). Swapped requests come
 waiting request is admitted, and nothing new is admitted in a step that preempted.
 
 This module is that policy. The rest of a step lives beside it:
-- engine/kv_cache_manager.py: the blocks, reached only through KVCacheManager's methods;
-- engine/sequence_groups.py: the sequences of each request, parallel-sampling forks and beam steps
-  (engine/beam_search.py decides which beams); forks share blocks, copied on write;
-- engine/step_plan.py: the SchedulerOutput the step builds, and what the workers already hold;
-- engine/output_builder.py: sampled tokens -> EngineCoreOutputs.
+- engine/sched/kv_cache_manager.py: the blocks, reached only through KVCacheManager's methods;
+- engine/sched/sequence_groups.py: the sequences of each request, parallel-sampling forks and beam steps
+  (engine/sched/beam_search.py decides which beams); forks share blocks, copied on write;
+- engine/sched/step_plan.py: the SchedulerOutput the step builds, and what the workers already hold;
+- engine/sched/output_builder.py: sampled tokens -> EngineCoreOutputs.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import logging
 from collections.abc import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, cdiv
-from engine.output_builder import OutputBuilder, SampledBySequence
 from engine.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -33,9 +31,11 @@ from engine.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from engine.request import Request, RequestStatus, SequenceStatus
-from engine.sequence_groups import SequenceGroups
-from engine.step_plan import StepPlan, WorkerSequences
+from engine.sched.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, cdiv
+from engine.sched.output_builder import OutputBuilder, SampledBySequence
+from engine.sched.request import Request, RequestStatus, SequenceStatus
+from engine.sched.sequence_groups import SequenceGroups
+from engine.sched.step_plan import StepPlan, WorkerSequences
 
 logger = logging.getLogger(__name__)
 

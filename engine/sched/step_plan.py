@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.kv_cache_manager import KVCacheManager, SlotAllocation
 from engine.outputs import EngineCoreOutput, NewSequenceData, RunningSequenceDeltas, SchedulerOutput
-from engine.request import Request, Sequence
+from engine.sched.kv_cache_manager import KVCacheManager, SlotAllocation
+from engine.sched.request import Request, Sequence
 
 
 @dataclasses.dataclass

@@ -11,8 +11,8 @@ import dataclasses
 import time
 
 from engine.outputs import EngineCoreOutput, LogprobsLists, ModelRunnerOutput
-from engine.request import Request, SequenceStatus
-from engine.sequence_groups import SequenceGroups
+from engine.sched.request import Request, SequenceStatus
+from engine.sched.sequence_groups import SequenceGroups
 
 
 @dataclasses.dataclass

@@ -11,13 +11,13 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, ResolvedEngineConfig
 from engine.config_resolve import resolve_engine_config
-from engine.core_client import EngineCoreClient
-from engine.input_processor import InputProcessor, PromptType
+from engine.frontend.input_processor import InputProcessor, PromptType
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.tokenizer import load_tokenizer
 from engine.models.model_files import ModelSource
-from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.process.core_client import EngineCoreClient
 from engine.sampling_params import BeamSearchParams, SamplingParams
-from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

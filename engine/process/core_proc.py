@@ -3,7 +3,7 @@
 The main thread runs the step loop. One thread reads and decodes messages from the input socket, one
 encodes and writes outputs to the output socket: (de)serialization overlaps the forward pass (torch
 releases the GIL), and a slow front end never stalls a step. Messages are msgspec Structs
-(engine/outputs.py), two frames each (engine/core_wire.py): type, body.
+(engine/outputs.py), two frames each (engine/process/core_wire.py): type, body.
 
 Lifecycle: the parent spawns `run_engine_core`, which builds the EngineCore (executor, workers,
 model, KV cache) and answers READY, or FAILURE with the error's message. An exception in the step
@@ -26,8 +26,6 @@ import msgspec
 import zmq
 
 from engine.config import ResolvedEngineConfig
-from engine.core import EngineCore
-from engine.core_wire import MessageDecoder, encode_message
 from engine.outputs import (
     EngineCoreFailure,
     EngineCoreOutputType,
@@ -36,6 +34,8 @@ from engine.outputs import (
     UtilityOutput,
     UtilityRequest,
 )
+from engine.process.core import EngineCore
+from engine.process.core_wire import MessageDecoder, encode_message
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ import msgspec
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.input_processor import PromptType
-from engine.llm_engine import LLMEngine
+from engine.frontend.input_processor import PromptType
+from engine.frontend.llm_engine import LLMEngine
+from engine.frontend.tokenizer import render_chat_prompt
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from engine.tokenizer import render_chat_prompt
 
 ChatMessages = list[dict[str, Any]]
 
