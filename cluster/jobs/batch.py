@@ -115,7 +115,7 @@ def run_lines(
         params = msgspec.structs.replace(line.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
         request_id = str(line.number)
         try:
-            engine.add_request(request_id, engine_prompt(line, engine.frontend.tokenizer), params)
+            engine.add_request(request_id, engine_prompt(line, engine.tokenizer), params)
         # Too long a prompt, a token id outside the vocabulary, a template the messages break, ...
         except (ValueError, TemplateError) as exc:
             skipped.skip(line.number, str(exc))

@@ -72,7 +72,7 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.default_timeout_s = default_timeout_s
         self.prompt_tokens_details = prompt_tokens_details
-        self.tokenizer = engine.frontend.tokenizer
+        self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model.max_model_len
 
     def usage(
@@ -174,9 +174,7 @@ class OpenAIServing:
     def validate(self, prompt: EnginePrompt, params: SamplingParams) -> None:
         """The engine's own checks (vocabulary, logprob and sequence limits), run before the
         response starts so that a bad request is a 400 and never a broken stream."""
-        self.engine.frontend.input_processor.process(
-            "validation", {"prompt_token_ids": prompt.token_ids}, params
-        )
+        self.engine.input_processor.process("validation", {"prompt_token_ids": prompt.token_ids}, params)
 
     async def generate(
         self,

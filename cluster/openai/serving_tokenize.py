@@ -31,7 +31,7 @@ class OpenAIServingTokenization(OpenAIServing):
 
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.resolve_model(request.model)
-        vocab_size = self.engine.frontend.input_processor.vocab_size
+        vocab_size = self.engine.input_processor.vocab_size
         outside = [token for token in request.tokens if not 0 <= token < vocab_size]
         if outside:
             raise OpenAIError(

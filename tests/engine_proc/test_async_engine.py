@@ -146,7 +146,7 @@ def test_validation_errors_raise_before_anything_is_queued(engine):
         run(first({"prompt_token_ids": []}, SamplingParams(), "empty"))
     with pytest.raises(ValueError, match="max_logprobs"):
         run(first(PROMPT, SamplingParams(logprobs=100), "many-logprobs"))
-    assert not engine.frontend.output_processor.requests and not engine._queues
+    assert not engine.output_processor.requests and not engine._queues
     assert engine.get_stats()["num_waiting_reqs"] == 0
 
 
@@ -185,7 +185,7 @@ def test_cancelling_or_closing_the_consumer_aborts_the_request(engine):
         stream = engine.generate(PROMPT, LONG, "closed")
         await stream.__anext__()
         await stream.aclose()
-        assert not engine.frontend.output_processor.requests
+        assert not engine.output_processor.requests
         return await wait_for_idle(engine)
 
     stats = run(main())
