@@ -43,6 +43,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     beam_search: BeamSearchParams | None = None
+    # Tenant isolation of the prefix cache: a non-empty salt mixed into the first block's hash.
+    cache_salt: str | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

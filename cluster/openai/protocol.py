@@ -82,9 +82,20 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: Int64 = 0
+    # Only requests with the same salt share prefix-cache blocks (isolates tenants: no one can time
+    # another's cached prompts); it should be secret and unguessable, such as 256 random bits.
+    cache_salt: str | None = None
     # raypage's extension: seconds after which the request is aborted (a 504, or an error event in a
     # stream); None: the server's --request-timeout, if any.
     timeout: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)] | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            # vLLM's rule: a salt that came out empty must not silently share the unsalted cache.
+            raise ValueError("must be a non-empty string if given")
+        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:

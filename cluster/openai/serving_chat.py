@@ -71,9 +71,11 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=None,
         )
-        self.validate(prompt, params)
+        self.validate(prompt, params, request.cache_salt)
         request_id = random_id("chatcmpl")
-        outputs = self.generate(request_id, [prompt], [params], request.priority, request.timeout)
+        outputs = self.generate(
+            request_id, [prompt], [params], request.priority, request.timeout, request.cache_salt
+        )
         call = ServingCall(request, model, request_id, [prompt], outputs)
         return await self.respond(call, raw_request, self._stream, self._collect)
 

@@ -55,10 +55,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs=request.logprobs if request.echo else None,
                 best_of=request.best_of,
             )
-            self.validate(prompt, prompt_params)
+            self.validate(prompt, prompt_params, request.cache_salt)
             params.append(prompt_params)
         request_id = random_id("cmpl")
-        outputs = self.generate(request_id, prompts, params, request.priority, request.timeout)
+        outputs = self.generate(
+            request_id, prompts, params, request.priority, request.timeout, request.cache_salt
+        )
         call = ServingCall(request, model, request_id, prompts, outputs)
         return await self.respond(call, raw_request, self._stream, self._collect)
 

@@ -38,6 +38,13 @@ class EnginePrompt:
     token_ids: list[int]
     text: str | None = None
 
+    def engine_input(self, cache_salt: str | None) -> dict[str, Any]:
+        """The prompt as the engine (and a Serve router, which hashes its blocks) takes it."""
+        prompt: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        return prompt
+
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
@@ -171,10 +178,10 @@ class OpenAIServing:
         response = await run_until_disconnect(raw_request, collect(call))
         return Response(response.model_dump_json(), media_type="application/json") if response else None
 
-    def validate(self, prompt: EnginePrompt, params: SamplingParams) -> None:
-        """The engine's own checks (vocabulary, logprob and sequence limits), run before the
-        response starts so that a bad request is a 400 and never a broken stream."""
-        self.engine.input_processor.process("validation", {"prompt_token_ids": prompt.token_ids}, params)
+    def validate(self, prompt: EnginePrompt, params: SamplingParams, cache_salt: str | None) -> None:
+        """The engine's own checks (vocabulary, logprob and sequence limits, the cache salt), run
+        before the response starts so that a bad request is a 400 and never a broken stream."""
+        self.engine.input_processor.process("validation", prompt.engine_input(cache_salt), params)
 
     async def generate(
         self,
@@ -183,8 +190,10 @@ class OpenAIServing:
         params: list[SamplingParams],
         priority: int,
         timeout_s: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The outputs of every prompt's engine request as they come, tagged with the prompt index.
+        """The outputs of every prompt's engine request as they come, tagged with the prompt index;
+        each prompt carries the request's `cache_salt`.
 
         Leaving early (a client disconnect, an error, the deadline `timeout_s` seconds from now, else
         the server's default, passing: a 504) closes every engine stream, which aborts the requests
@@ -193,7 +202,7 @@ class OpenAIServing:
         timeout_s = timeout_s or self.default_timeout_s
         streams = [
             self.engine.generate(
-                {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
+                prompt.engine_input(cache_salt),
                 prompt_params,
                 f"{request_id}-{index}",
                 priority=priority,

@@ -21,6 +21,7 @@ with an error that says why. A replica must take the request (send its first out
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
@@ -134,6 +135,8 @@ class StreamProgress:
             prompt_logprobs=None,  # the first output carried them
         )
         prompt = {
+            # The prompt's other keys (its cache_salt) carry over: the continuation is the same tenant's.
+            **(self._prompt if isinstance(self._prompt, Mapping) else {}),
             "prompt": self._first.prompt,
             "prompt_token_ids": [*self._first.prompt_token_ids, *self.token_ids],
         }

@@ -13,7 +13,10 @@ set by the deployment's `request_router_config`), chosen by the Serve key `routi
 - `pow2`: Serve's default power-of-two-choices router (no request_router_config).
 
 The prompt reaches the router as the first argument of `LLMServer.generate`: the ingress passes
-`{"prompt": text, "prompt_token_ids": ids}`, tokenized before routing.
+`{"prompt": text, "prompt_token_ids": ids}`, tokenized before routing, with the request's
+`cache_salt` if it has one. Both routers salt their keys with it as the engine salts its block
+hashes, so that a salted prompt is routed to where that tenant's prefix is cached, never to where
+the same text is cached under another salt (or none).
 """
 
 from __future__ import annotations
@@ -217,7 +220,7 @@ class KVAwareRouter(PrefixAffinityRouter):
 
     def prompt_keys(self, prompt: Mapping[str, Any]) -> list[bytes]:
         token_ids = prompt.get("prompt_token_ids") or ()
-        hashes = chain_block_hashes(token_ids, self._block_size)
+        hashes = chain_block_hashes(token_ids, self._block_size, cache_salt=prompt.get("cache_salt"))
         return [block_hash[:SUMMARY_HASH_BYTES] for block_hash in hashes]
 
     def reported(self, replica: RunningReplica) -> Collection[bytes]:
@@ -237,10 +240,13 @@ class PrefixTextRouter(PrefixAffinityRouter):
         text = prompt.get("prompt")
         if not text:  # token ids only: their decimal text stands in
             text = " ".join(map(str, prompt.get("prompt_token_ids") or ()))
+        salt = prompt.get("cache_salt")
+        # The salt, hashed, stands in for the first chunk's parent: every key chains it.
+        parent = hash_block_tokens(None, (), salt.encode()) if salt else None
         keys: list[bytes] = []
         for start in range(0, len(text) - TEXT_CHUNK_CHARS + 1, TEXT_CHUNK_CHARS):
             chunk = text[start : start + TEXT_CHUNK_CHARS].encode()
-            keys.append(hash_block_tokens(keys[-1] if keys else None, (), chunk))
+            keys.append(hash_block_tokens(keys[-1] if keys else parent, (), chunk))
         return keys
 
 

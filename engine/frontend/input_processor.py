@@ -14,8 +14,30 @@ from engine.config import ResolvedEngineConfig
 from engine.outputs import EngineCoreRequest
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
-# A string, {"prompt": str} or {"prompt_token_ids": [int, ...]} (optionally with "prompt" for display).
+# A string, {"prompt": str} or {"prompt_token_ids": [int, ...]} (optionally with "prompt" for display);
+# either mapping may carry "cache_salt" (vLLM's TextPrompt / TokensPrompt key).
 PromptType = Union[str, Mapping[str, Any]]  # noqa: UP007 (a runtime alias must work on Python 3.10 too)
+
+
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """The prompt's `cache_salt`, if it has one: a non-empty string, else a ValueError naming it.
+
+    Only requests with equal salts share prefix-cache blocks, which keeps one tenant from timing
+    another's cached prompts. An empty salt is refused rather than taken as no salt (vLLM's API
+    server refuses it too): a tenant key that came out empty must not land in the shared cache.
+    """
+    if not isinstance(prompt, Mapping) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        # The type, never the value: a salt is a secret.
+        given = "an empty string" if isinstance(salt, str) else f"a {type(salt).__name__}"
+        raise ValueError(f"cache_salt must be a non-empty string if given, got {given}")
+    try:
+        salt.encode()  # hashed as UTF-8, and sent to the core process as msgpack
+    except UnicodeEncodeError:
+        raise ValueError("cache_salt must be valid Unicode (it holds a lone surrogate)") from None
+    return salt
 
 
 class InputProcessor:
@@ -91,6 +113,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize_prompt(prompt)
+        cache_salt = prompt_cache_salt(prompt)
         self._check_prompt(token_ids)
         self._check_params(params)
         width = beam_search.beam_width if beam_search else params.num_sequences
@@ -110,6 +133,7 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
             beam_search=beam_search,
+            cache_salt=cache_salt,
         )
         return request, text
 

@@ -55,7 +55,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in input order."""
+        """Generate for every prompt; outputs in input order. A prompt is a string or a dict
+        (`{"prompt": ...}` or `{"prompt_token_ids": [...]}`), which may hold a `cache_salt`: only
+        prompts with the same salt share prefix-cache blocks."""
         prompt_list = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
         return self._run(prompt_list, sampling_params, use_tqdm)
 

@@ -29,15 +29,25 @@ def hash_block_tokens(
 
 
 def chain_block_hashes(
-    token_ids: Sequence[int], block_size: int, hashes: list[BlockHash] | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    hashes: list[BlockHash] | None = None,
+    cache_salt: str | None = None,
 ) -> list[BlockHash]:
     """The chain hashes of every full block of `token_ids`: `hashes` (those of its first blocks,
     computed earlier) extended in place, or a new list. The KV cache manager publishes blocks under
-    these hashes, and a Serve router computes them from a prompt to find the replica holding it."""
+    these hashes, and a Serve router computes them from a prompt to find the replica holding it.
+
+    A request's `cache_salt` is an extra key of its first block only (as in vLLM): every later hash
+    chains its parent's, so the salt reaches them all, and requests with different salts (or one
+    with a salt and one without) share no block, whatever their tokens.
+    """
     hashes = [] if hashes is None else hashes
     for index in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[index * block_size : (index + 1) * block_size]))
+        extra_key = cache_salt.encode() if cache_salt and index == 0 else b""
+        block_tokens = token_ids[index * block_size : (index + 1) * block_size]
+        hashes.append(hash_block_tokens(parent, block_tokens, extra_key))
     return hashes
 
 

@@ -257,8 +257,11 @@ class KVCacheManager:
         return bool(blocks) and write_index < len(blocks) and blocks[write_index].ref_cnt > 1
 
     def _block_hashes(self, seq: Sequence) -> list[BlockHash]:
-        """Chain hashes of the sequence's full blocks, extended as its tokens grow."""
-        return chain_block_hashes(seq.all_token_ids, self.block_size, self.seq_block_hashes[seq.seq_id])
+        """Chain hashes of the sequence's full blocks, extended as its tokens grow (salted with its
+        request's cache salt, which forks, beams and a preempted request's recompute keep)."""
+        return chain_block_hashes(
+            seq.all_token_ids, self.block_size, self.seq_block_hashes[seq.seq_id], seq.request.cache_salt
+        )
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the blocks that become full once `num_tokens` tokens are written."""

@@ -178,11 +178,14 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         beam_search: BeamSearchParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.beam_search = beam_search
+        # Salts the hash of the first KV block: only requests with the same salt share cached blocks.
+        self.cache_salt = cache_salt
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
@@ -206,6 +209,7 @@ class Request:
             request.arrival_time,
             request.priority,
             request.beam_search,
+            request.cache_salt,
         )
 
     @property

@@ -202,6 +202,8 @@ def test_dead_engine_is_503(engine: ScriptedEngine) -> None:
         ({"prompt": "Hi", "suffix": "!"}, "suffix"),
         ({"prompt": [10**9]}, None),
         ({"prompt": "Hi", "max_tokens": MAX_MODEL_LEN}, None),
+        ({"prompt": "Hi", "cache_salt": ""}, "cache_salt"),  # vLLM refuses an empty salt too
+        ({"prompt": "Hi", "cache_salt": 7}, "cache_salt"),
     ],
 )
 def test_completion_bad_requests(engine: ScriptedEngine, body: dict, param: str | None) -> None:
@@ -215,6 +217,7 @@ def test_completion_bad_requests(engine: ScriptedEngine, body: dict, param: str 
         ({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, None),
         ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}, None),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "Hi"}], "cache_salt": ""}, "cache_salt"),
     ],
 )
 def test_chat_bad_requests(engine: ScriptedEngine, body: dict, param: str | None) -> None:

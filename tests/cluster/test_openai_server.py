@@ -19,7 +19,10 @@ from tests.model.tiny_models import write_tiny_model
 MODEL = "served-model"
 API_KEY = "sk-test-key"
 MAX_MODEL_LEN = 256
-SERVER_FLAGS = ["--served-model-name", MODEL, "--api-key", API_KEY, "--disable-access-log"]
+SERVER_FLAGS = [
+    *("--served-model-name", MODEL, "--api-key", API_KEY, "--disable-access-log"),
+    "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: the cache_salt test's
+]
 ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--max-num-seqs", "64"]
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
@@ -85,7 +88,10 @@ def test_chat_stream_matches_the_whole(server: RemoteServer, client: openai.Open
     assert deltas[0].delta.role == "assistant"
     assert "".join(delta.delta.content or "" for delta in deltas) == choice.message.content
     assert [delta.finish_reason for delta in deltas] == [None] * (len(deltas) - 1) + [choice.finish_reason]
-    assert chunks[-1].usage == whole.usage
+    # All but the cached-token count: the stream finds the blocks of the whole's prompt.
+    assert chunks[-1].usage.model_copy(update={"prompt_tokens_details": None}) == whole.usage.model_copy(
+        update={"prompt_tokens_details": None}
+    )
 
 
 def test_n2_streams_tag_choices_and_match_seeded_whole(client: openai.OpenAI) -> None:
@@ -234,6 +240,7 @@ def long_prompt_message(num_prompt_tokens: int, max_tokens: int) -> str:
         ("negative_temperature", 400, "temperature"),
         ("string_temperature", 400, "temperature"),
         ("too_many_logprobs", 400, "logprobs"),
+        ("empty_cache_salt", 400, "cache_salt"),
     ],
 )
 def test_error_shapes(server: RemoteServer, case: str, status: int, param: str | None) -> None:
@@ -247,6 +254,7 @@ def test_error_shapes(server: RemoteServer, case: str, status: int, param: str |
         "negative_temperature": {"json": {**body, "temperature": -1}},
         "string_temperature": {"json": {**body, "temperature": "hot"}},
         "too_many_logprobs": {"json": {**body, "logprobs": 21}},
+        "empty_cache_salt": {"json": {**body, "cache_salt": ""}},
     }
     response = post(server, "/v1/completions", **requests[case])
     assert response.status_code == status, response.text
@@ -300,6 +308,35 @@ def test_reset_prefix_cache(server: RemoteServer, client: openai.OpenAI) -> None
     assert httpx.post(server.base_url + "/reset_prefix_cache").status_code == 401
     assert post(server, "/reset_prefix_cache").status_code == 200
     assert hits_of_one_completion() == 0  # forgotten: computed again
+
+
+def test_cache_salt_isolates_tenants_in_the_prefix_cache(server: RemoteServer, client: openai.OpenAI) -> None:
+    """Only requests with the same cache_salt share cached blocks (the unsalted ones among
+    themselves), on both routes, as the usage's cached_tokens shows the client."""
+    prompt = "Tenant isolation over HTTP: a prompt of three KV blocks that only this test sends. " * 2
+    num_cached = (count_tokens(server, prompt=prompt) - 1) // 16 * 16  # whole blocks, not the last token
+
+    def completion(salt: str | None) -> tuple[int, str]:
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        response = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0, **extra
+        )
+        return response.usage.prompt_tokens_details.cached_tokens, response.choices[0].text
+
+    runs = [completion(salt) for salt in (None, "tenant-a", "tenant-b", "tenant-a", None)]
+    assert num_cached >= 32 and [cached for cached, _ in runs] == [0, 0, 0, num_cached, num_cached]
+    assert len({text for _, text in runs}) == 1  # the salt changes what is cached, never the output
+
+    messages = [{"role": "user", "content": prompt}]
+
+    def chat(salt: str) -> int:
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, max_completion_tokens=2, extra_body={"cache_salt": salt}
+        )
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    first, other, again = chat("tenant-c"), chat("tenant-d"), chat("tenant-c")
+    assert (first, other) == (0, 0) and again >= num_cached and again % 16 == 0
 
 
 def test_invalid_unicode_is_400_and_keeps_the_connection(server: RemoteServer) -> None:

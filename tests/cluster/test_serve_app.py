@@ -1,7 +1,8 @@
 """The Ray Serve front door: `raypage serve` (a real subprocess, joined to this module's local Ray
 cluster) with the Ray executor at TP=2, exercised with the official openai client; a killed worker
-actor and the replica Serve puts in its place; the separate-ingress shape; `raypage serve` on a
-local cluster of its own behind HAProxy; the args parser on every Serve config file."""
+actor and the replica Serve puts in its place; the separate-ingress shape (a cache_salt through it);
+`raypage serve` on a local cluster of its own behind HAProxy; the args parser on every Serve config
+file."""
 
 from __future__ import annotations
 
@@ -390,6 +391,21 @@ def test_killed_worker_fails_the_request_and_serve_replaces_the_replica(
 # ---- `raypage serve` on a local cluster of its own: HAProxy and the separate ingress ------------------
 
 
+def assert_salts_isolate_the_cache(client: openai.OpenAI) -> None:
+    """A request's cache_salt crosses the ingress, its router and the replica's handle: only
+    requests with the same salt share cached blocks (usage.prompt_tokens_details shows it)."""
+    prompt = "Tenant isolation behind Serve: a prompt of two KV blocks or more, from this check alone. " * 2
+
+    def cached_tokens(salt: str) -> int:
+        usage = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=2, temperature=0.0, extra_body={"cache_salt": salt}
+        ).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    first, other, again = cached_tokens("tenant-a"), cached_tokens("tenant-b"), cached_tokens("tenant-a")
+    assert (first, other) == (0, 0) and again >= 32 and again % 16 == 0
+
+
 def serve_on_its_own_cluster(flags: list[str], tiny_model: Path, log_path: Path) -> RemoteServer:
     return RemoteServer(
         [
@@ -474,11 +490,14 @@ def test_a_separate_ingress_on_its_own_cluster_serves_the_same_texts(
     tiny_model: Path, expected: dict[str, str], tmp_path: Path
 ) -> None:
     server = serve_on_its_own_cluster(
-        ["--proxy-mode", OWN_CLUSTER_PROXY, "--ingress", "separate"], tiny_model, tmp_path / "serve.log"
+        ["--proxy-mode", OWN_CLUSTER_PROXY, "--ingress", "separate", "--enable-prompt-tokens-details"],
+        tiny_model,
+        tmp_path / "serve.log",
     )
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
         assert_serves_greedy_texts(client, expected)
+        assert_salts_isolate_the_cache(client)
         assert len(serve_processes(server, "ray::ServeReplica:raypage:OpenAIIngress")) == 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()

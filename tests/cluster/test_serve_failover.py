@@ -277,6 +277,17 @@ def test_what_cannot_continue_exactly_ends_with_a_clear_error(model: Path) -> No
         progress.resubmission()
 
 
+def test_a_resumed_request_keeps_its_cache_salt(model: Path) -> None:
+    """The continuation is the same tenant's: it must find (and fill) that tenant's cache only."""
+    tokenizer = backend_tokenizer(AutoTokenizer.from_pretrained(model))
+    params = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.DELTA)
+    salted = {"prompt": "Hi", "prompt_token_ids": [1, 2], "cache_salt": "tenant-a"}
+    progress = StreamProgress("r", salted, params, tokenizer)
+    progress.deliver(delta("r", [1, 2], "a", [3]))
+    prompt, _ = progress.resubmission()
+    assert (prompt["prompt_token_ids"], prompt["cache_salt"]) == ([1, 2, 3], "tenant-a")
+
+
 def test_a_seeded_request_resumed_after_some_tokens_draws_what_it_would_have(model: Path) -> None:
     llm = LLM(str(model), distributed_executor_backend="uni", **ENGINE)
     try:

@@ -2,7 +2,8 @@
 module's local Ray cluster: a workload of many shared prefixes, interleaved, whose prefixes fill more
 than one replica's KV cache but less than both, where `kv_aware` must reach at least 1.5x the
 prefix-cache hit rate of Serve's `pow2` (measured by the server's own usage.prompt_tokens_details);
-`prefix_text` runs beside them. Plus the routing rule itself, without a cluster."""
+`prefix_text` runs beside them. Plus, without a cluster, the routing rule itself and the routers' keys,
+salted with a request's cache_salt as the replicas salt their block hashes."""
 
 from __future__ import annotations
 
@@ -11,10 +12,20 @@ from pathlib import Path
 import openai
 import pytest
 from ray import serve
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
 from cluster.bench.serve import make_prefix_group_prompts
-from cluster.serve.routing import choose_by_prefix, prefix_hits
+from cluster.serve.routing import (
+    KVAwareRouter,
+    PrefixAffinityRouter,
+    PrefixTextRouter,
+    choose_by_prefix,
+    prefix_hits,
+)
 from cluster.serve_app import build_app
+from engine.sampling_params import SamplingParams
+from engine.sched.kv_cache_manager import KVCacheManager
+from engine.sched.request import Request
 from tests.cluster.local_ray_cluster import serve_url_fixture
 from tests.model.tiny_models import write_tiny_model
 
@@ -92,3 +103,43 @@ def test_the_longest_prefix_wins_unless_its_replica_is_too_busy() -> None:
         choose_by_prefix({"x": 0, "y": 0}, {"x": 1.0, "y": 0.0}, margin=8, occupancy={"x": 0, "y": 50}) == "x"
     )
     assert choose_by_prefix({"x": 0, "y": 0}, {"x": 1.0, "y": 0.0}, margin=8) == "y"
+
+
+def make_router(router_class: type[PrefixAffinityRouter]) -> PrefixAffinityRouter:
+    """A router as Serve builds it for the LLMServer deployment, with the replicas' block size."""
+    router = router_class(DeploymentID(name="LLMServer", app_name=APP), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(block_size=BLOCK_SIZE)
+    return router
+
+
+def test_kv_aware_keys_are_the_salted_hashes_the_replica_reports() -> None:
+    """The router salts a prompt's keys as the replica's KV cache salts its blocks: a salted
+    prompt's keys are in the summary of a replica that cached it under that salt, and in no other
+    tenant's (nor under no salt), so a tenant is routed to where its own prefix is cached."""
+    token_ids = list(range(1, 3 * BLOCK_SIZE + 2))  # three full blocks
+    router = make_router(KVAwareRouter)
+
+    def summary_after(cache_salt: str | None) -> set[bytes]:
+        kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+        request = Request("r", token_ids, SamplingParams(), None, 0.0, cache_salt=cache_salt)
+        seq = request.seqs[0]
+        kv.allocate_slots(seq, seq.num_tokens)
+        summary = kv.prefix_cache_summary()
+        return {summary[i : i + 8] for i in range(0, len(summary), 8)}
+
+    prompt = {"prompt": "ignored", "prompt_token_ids": token_ids}
+    keys = {salt: router.prompt_keys({**prompt, "cache_salt": salt}) for salt in ("a", "b", None)}
+    assert router.prompt_keys({**prompt, "cache_salt": "a"}) == keys["a"] and len(keys["a"]) == 3
+    for cached_under in ("a", "b", None):
+        held = summary_after(cached_under)
+        for salt, salt_keys in keys.items():
+            assert prefix_hits(salt_keys, held) == (3 if salt == cached_under else 0), (cached_under, salt)
+
+
+def test_prefix_text_keys_are_salted_too() -> None:
+    router = make_router(PrefixTextRouter)
+    prompt = {"prompt": "x" * 200}
+    plain, salted = router.prompt_keys(prompt), router.prompt_keys({**prompt, "cache_salt": "a"})
+    assert router.prompt_keys({**prompt, "cache_salt": "a"}) == salted and len(salted) == len(plain) == 3
+    other = router.prompt_keys({**prompt, "cache_salt": "b"})
+    assert all(len({x, y, z}) == 3 for x, y, z in zip(plain, salted, other, strict=True))

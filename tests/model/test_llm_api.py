@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, BeamSearchParams, EngineConfig, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -151,6 +151,49 @@ def test_reset_prefix_cache(llm):
     assert llm.reset_prefix_cache() is False
     engine.abort_request("holding")
     assert hits_of_one_run() > 0
+
+
+def cached_tokens_of(llm, prompt: str, cache_salt: str | None, params: SamplingParams = GREEDY):
+    """The cached-token count the user sees for one generate call, and the text it produced."""
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+    (output,) = llm.generate({"prompt": prompt, **salt}, params, use_tqdm=False)
+    return output.num_cached_tokens, output.outputs[0].text
+
+
+def test_cache_salt_isolates_tenants_in_the_prefix_cache(llm):
+    # A prompt no other test sends: three full blocks of 16 tokens, and some.
+    prompt = "Tenant isolation: a prompt of three KV blocks that only this test sends, salted or not. " * 2
+    num_blocks = (len(llm.get_tokenizer()(prompt).input_ids) - 1) // 16
+    assert num_blocks >= 2
+    runs = [cached_tokens_of(llm, prompt, salt) for salt in (None, "tenant-a", "tenant-b", "tenant-a", None)]
+    # Each tenant computes the prompt once; only its own second request (and the unsalted one's)
+    # finds its blocks, whole blocks of them.
+    assert [cached for cached, _ in runs] == [0, 0, 0, num_blocks * 16, num_blocks * 16]
+    assert len({text for _, text in runs}) == 1  # the salt changes what is cached, never the output
+
+
+def test_cache_salt_carries_through_beam_search_and_parallel_samples(llm):
+    """Every sequence of a beam search or an n > 1 request publishes its blocks under the salt."""
+    beam_prompt = "Beam search under a salt: a prompt of two KV blocks or more, sent by this test alone."
+    llm.beam_search(
+        [{"prompt": beam_prompt, "cache_salt": "beams"}], BeamSearchParams(beam_width=2, max_tokens=4)
+    )
+    sampled_prompt = "Parallel samples under a salt: a prompt of two KV blocks or more, from this test alone."
+    llm.generate(
+        {"prompt": sampled_prompt, "cache_salt": "samples"},
+        SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4),
+        use_tqdm=False,
+    )
+    for prompt, salt in ((beam_prompt, "beams"), (sampled_prompt, "samples")):
+        assert cached_tokens_of(llm, prompt, "someone-else")[0] == 0
+        assert cached_tokens_of(llm, prompt, salt)[0] > 0
+
+
+@pytest.mark.parametrize("salt", ["", 3])
+def test_a_salt_that_is_not_a_non_empty_string_is_refused(llm, salt):
+    with pytest.raises(ValueError, match=r"^cache_salt must be a non-empty string"):
+        llm.generate({"prompt": "Hello", "cache_salt": salt}, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_engine_config_yaml_round_trip(tmp_path: Path):

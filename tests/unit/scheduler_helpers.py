@@ -102,6 +102,7 @@ def make_request(
     seed: int | None = None,
     logprobs: int | None = None,
     min_tokens: int = 0,
+    cache_salt: str | None = None,
 ) -> Request:
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -113,7 +114,9 @@ def make_request(
         seed=seed,
         logprobs=logprobs,
     )
-    return Request(request_id, list(prompt), params, eos_token_id, arrival_time, priority)
+    return Request(
+        request_id, list(prompt), params, eos_token_id, arrival_time, priority, cache_salt=cache_salt
+    )
 
 
 def make_beam_request(
@@ -127,13 +130,14 @@ def make_beam_request(
     ignore_eos: bool = False,
     priority: int = 0,
     arrival_time: float = 0.0,
+    cache_salt: str | None = None,
 ) -> Request:
     """A beam search request as the input processor builds it (greedy per-token sampling)."""
     beam = BeamSearchParams(
         beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty, ignore_eos=ignore_eos
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    return Request(request_id, list(prompt), params, eos_token_id, arrival_time, priority, beam)
+    return Request(request_id, list(prompt), params, eos_token_id, arrival_time, priority, beam, cache_salt)
 
 
 def make_scheduler(
