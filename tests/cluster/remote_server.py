@@ -27,13 +27,18 @@ def free_port() -> int:
 
 class RemoteServer:
     """`raypage COMMAND ARGS` (api-server or serve) on 127.0.0.1, ready (GET /health is 200) once
-    constructed.
+    constructed. With `new_session` it leads a session and process group of its own.
 
     Its output goes to `log_path`, not a pipe, which a chatty server would fill and block on.
     """
 
     def __init__(
-        self, args: list[str], log_path: Path, command: str = "api-server", stop_timeout_s: float = 30.0
+        self,
+        args: list[str],
+        log_path: Path,
+        command: str = "api-server",
+        stop_timeout_s: float = 30.0,
+        new_session: bool = False,
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -47,6 +52,8 @@ class RemoteServer:
                 stderr=subprocess.STDOUT,
                 cwd=REPO_ROOT,
                 env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                # A process group of its own (as a shell job), whose members a test can list and signal.
+                start_new_session=new_session,
             )
         try:
             self._wait_until_ready()
