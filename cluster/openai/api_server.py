@@ -6,7 +6,9 @@ raypage api-server --host 127.0.0.1 --port 8000 [--api-key K] [--served-model-na
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 from typing import Any
 
 import uvicorn
@@ -18,6 +20,8 @@ from cluster.openai.engine_watching_server import EngineWatchingServer
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
 from engine.frontend.async_llm_engine import AsyncLLMEngine
+
+logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "RAYPAGE_API_KEY"
 # Seconds uvicorn waits for open connections once the drain is over (their responses are complete
@@ -95,8 +99,26 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None:
     """Start the engine core, then serve until SIGINT or SIGTERM, which drain the server (see
     `cluster.openai.drain`); the engine is shut down after, and the process exits with status 0 —
-    or with status 1 when the engine dies (see EngineWatchingServer)."""
+    or with status 1 when the engine dies (see EngineWatchingServer).
+
+    Outside uvicorn's serving loop (while the engine starts, and while it stops) both signals raise
+    KeyboardInterrupt, so that a stop during start-up stops the engine core too, and one during the
+    engine's shutdown kills the core at once; either way the core has ended before this process.
+    """
     settings = server_settings(args)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        server = _serve(args, settings, engine_settings)
+    except KeyboardInterrupt:
+        logger.info("interrupted; the engine core is stopped")
+        return
+    if server.engine_death is not None:
+        raise SystemExit(1)
+
+
+def _serve(
+    args: argparse.Namespace, settings: ServerSettings, engine_settings: dict[str, Any]
+) -> EngineWatchingServer:
     # Resolved here, once (the engine takes it as it is): the token-count histograms are bucketed
     # up to max_model_len.
     config = resolve_engine_config(EngineConfig.from_flat(**engine_settings))
@@ -121,5 +143,4 @@ def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) ->
         server.run()
     finally:
         engine.shutdown()
-    if server.engine_death is not None:
-        raise SystemExit(1)
+    return server

@@ -22,6 +22,7 @@ import signal
 import threading
 from typing import Any
 
+import psutil
 import ray
 from ray import serve
 
@@ -32,10 +33,13 @@ from cluster.serve.proxy_mode import PROXY_MODES, default_proxy_mode, proxy_env
 from cluster.serve.routing import ROUTING_POLICIES
 from cluster.serve_app import build_app, required_cpus
 from engine.executor.ray_utils import LOCAL_OBJECT_STORE_BYTES
+from engine.process.process_utils import kill_descendants
 
 logger = logging.getLogger(__name__)
 
 APP_NAME = "raypage"
+# Seconds killed processes get to be reaped (by their parents, or init) before the command exits.
+FORCED_STOP_WAIT_S = 3.0
 
 
 def add_parser_args(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +54,14 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
         "--num-cpus",
         type=float,
         help="CPUs of the local cluster (default: the machine's, at least what the app reserves)",
+    )
+    group.add_argument(
+        "--object-store-memory",
+        type=int,
+        default=LOCAL_OBJECT_STORE_BYTES,
+        metavar="BYTES",
+        help=f"object store of the local cluster (default: {LOCAL_OBJECT_STORE_BYTES}; the engine ships only "
+        "scheduler messages and tokens through it)",
     )
     group.add_argument(
         "--proxy-mode",
@@ -228,17 +240,55 @@ def run_serve(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None
     except KeyboardInterrupt:
         logger.info("stopping")
     finally:
-        # A second signal must not cut the clean-up short and leave the cluster's processes behind.
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, signal.SIG_IGN)
-        if ray.is_initialized():
-            # The app first, while the proxies still carry its streams: its replicas drain (for up
-            # to drain_timeout_s) before they stop. Serve's own shutdown would stop the proxies at
-            # the same time, cutting every stream in flight.
-            logger.info("draining the app's requests in flight")
-            serve.delete(APP_NAME)
-            serve.shutdown()
-        ray.shutdown()  # stops the local cluster; from a joined one it only disconnects
+        # Signals still raise KeyboardInterrupt here: a second one forces the stop.
+        try:
+            _stop(args)
+        except KeyboardInterrupt:
+            _force_stop(args)
+
+
+def _stop(args: argparse.Namespace) -> None:
+    """Delete the app (its replicas drain), shut Serve down, then the local cluster, and make sure
+    nothing the cluster started is left."""
+    if ray.is_initialized():
+        # The app first, while the proxies still carry its streams: its replicas drain (for up
+        # to drain_timeout_s) before they stop. Serve's own shutdown would stop the proxies at
+        # the same time, cutting every stream in flight.
+        logger.info("draining the app's requests in flight (a second signal stops at once)")
+        serve.delete(APP_NAME)
+        serve.shutdown()
+    ray.shutdown()  # stops the local cluster; from a joined one it only disconnects
+    if not args.address:
+        # Ray stops the processes it tracks; not HAProxy, whose manager actor may die before it.
+        _kill_local_cluster("left behind by the cluster's shutdown")
+
+
+def _force_stop(args: argparse.Namespace) -> None:
+    """Kill every process of the local cluster (all of them descendants of this one) and exit at
+    once; from a joined cluster only disconnect, leaving it to finish deleting the app."""
+    logger.warning("stopping at once")
+    if not args.address:
+        _kill_local_cluster("killed")
+    logging.shutdown()
+    # Not a normal exit: Ray's exit hooks would wait on the cluster just killed.
+    os._exit(1)
+
+
+def _kill_local_cluster(what: str) -> None:
+    """SIGKILL every process this one started (and theirs), and wait until they are gone."""
+    victims = kill_descendants(psutil.Process())
+    if victims:
+        logger.warning("%s: %s", what, ", ".join(f"{p.pid} {_name(p)}" for p in victims))
+    _, alive = psutil.wait_procs(victims, timeout=FORCED_STOP_WAIT_S)
+    if alive:
+        logger.error("still running after SIGKILL: %s", ", ".join(str(p.pid) for p in alive))
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.NoSuchProcess:
+        return "(gone)"
 
 
 def _connect(args: argparse.Namespace, settings_args: dict[str, Any]) -> None:
@@ -249,7 +299,7 @@ def _connect(args: argparse.Namespace, settings_args: dict[str, Any]) -> None:
     ray.init(
         address="local",
         num_cpus=num_cpus,
-        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+        object_store_memory=args.object_store_memory,
         include_dashboard=False,
         logging_level=logging.WARNING,
     )

@@ -14,9 +14,16 @@ import shutil
 import tempfile
 from multiprocessing.process import BaseProcess
 
+import psutil
+
 from engine.config import EngineConfig
 from engine.process.core_proc import run_engine_core
-from engine.process.process_utils import StopOnReleaseOrExit, describe_exit
+from engine.process.process_utils import (
+    StopOnReleaseOrExit,
+    describe_exit,
+    kill_descendants,
+    stop_resource_tracker_if_unused,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,19 +32,37 @@ _TERMINATE_GRACE_S = 5.0
 
 
 def _stop_process(process: BaseProcess, socket_dir: str) -> None:
-    """SIGTERM, then SIGKILL after a grace period; reap the process and remove its socket directory."""
+    """SIGTERM, then SIGKILL after a grace period; reap the process (and multiprocessing's resource
+    tracker, when it was the last child) and remove its socket directory.
+
+    A KeyboardInterrupt while the core stops (a second Ctrl-C, or SIGTERM where the server maps it
+    so) kills it at once rather than leaving it running: it still ends before this process goes on.
+    """
     try:
         if process.is_alive():
             process.terminate()
-            process.join(_TERMINATE_GRACE_S)
+            try:
+                process.join(_TERMINATE_GRACE_S)
+            except KeyboardInterrupt:
+                _kill(process)
+                raise
         if process.is_alive():
             logger.warning("EngineCore process %d ignored SIGTERM; killing it", process.pid)
-            process.kill()
-            process.join()
+            _kill(process)
     except ValueError:
         pass  # never started (or already closed): nothing to stop
     finally:
         shutil.rmtree(socket_dir, ignore_errors=True)
+    stop_resource_tracker_if_unused()
+
+
+def _kill(process: BaseProcess) -> None:
+    """SIGKILL the core and its workers (which would otherwise outlive it until they notice), and
+    wait for all of them."""
+    workers = kill_descendants(psutil.Process(process.pid))
+    process.kill()
+    process.join()
+    psutil.wait_procs(workers, timeout=_TERMINATE_GRACE_S)
 
 
 class CoreProcess:

@@ -6,6 +6,9 @@ Shared by the engine-core launcher and the executors, which start processes of t
 from __future__ import annotations
 
 import atexit
+import contextlib
+import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
@@ -54,6 +57,36 @@ def describe_exit(exitcode: int | None) -> str:
         except ValueError:  # a real-time signal, which has no name
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
+
+
+def kill_descendants(process: psutil.Process) -> list[psutil.Process]:
+    """SIGKILL every process that `process` started, children and theirs; the ones signalled, for
+    the caller to wait on (they were found before any was killed, so none escapes by reparenting)."""
+    try:
+        descendants = process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    for descendant in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            descendant.kill()
+    return descendants
+
+
+def stop_resource_tracker_if_unused() -> None:
+    """Stop multiprocessing's resource tracker, and reap it, once this process has no child left.
+
+    Spawning a process starts the tracker, a child that outlives its parent by design: it waits for
+    the parent's end to clean up after it. So a server that exits leaves it running (and then a
+    zombie until init reaps it) for a moment after its own exit, the one process of its group
+    still there. Stopped here instead, it exits before its parent; the next spawn starts a new one.
+    """
+    if multiprocessing.active_children():
+        return
+    tracker = multiprocessing.resource_tracker._resource_tracker
+    # Private API (CPython 3.8+), which the standard library's tests use for the same purpose.
+    stop = getattr(tracker, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 class StopOnReleaseOrExit:

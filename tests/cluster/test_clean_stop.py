@@ -1,0 +1,179 @@
+"""Stopping `raypage api-server` and `raypage serve` leaves nothing of their process group behind.
+
+Each server runs in a process group of its own, as a shell job does, with a stream in flight. SIGTERM
+(a supervisor's stop) drains the stream to its end; Ctrl-C twice (SIGINT to the whole group, as a
+terminal sends it) stops the server within FORCED_STOP_S of the second. Either way, by the time the
+server process has exited every other process of its group (engine core, workers, Ray's processes,
+HAProxy) has too, or does within GROUP_GONE_S: none is left as an orphan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.cluster.remote_server import RemoteServer
+from tests.model.tiny_models import write_tiny_model
+
+MODEL = "tiny"
+ENGINE_FLAGS = [
+    *("--served-model-name", MODEL, "--dtype", "float32", "--num-kv-blocks", "64"),
+    *("--log-stats-interval", "0", "--disable-access-log"),
+]
+# The smallest local cluster that holds one replica.
+SERVE_FLAGS = [*("--num-cpus", "2", "--llm-server-cpus", "1", "--object-store-memory", str(100 << 20))]
+# The tiny model has no end-of-sequence token: a stream runs exactly this many steps, enough that
+# it is still running when the signal comes, few enough to drain in well under the drain timeout.
+STREAM_MAX_TOKENS = 200
+# What the issue asks: the second Ctrl-C stops the server within 5 s, and the group is empty 1 s
+# after the server exited.
+FORCED_STOP_S = 5.0
+GROUP_GONE_S = 1.0
+# Caps that only keep a broken server from hanging the test; nothing here is timed by them.
+EXIT_TIMEOUT_S = 120.0
+LOG_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("clean-stop") / "model")
+
+
+def group_members(pgid: int) -> list[str]:
+    """`pid command` of every process left in group `pgid`."""
+    found = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(pgid)], capture_output=True, text=True)
+    return [line.strip() for line in found.stdout.splitlines() if line.strip()]
+
+
+def assert_group_gone(pgid: int) -> None:
+    deadline = time.monotonic() + GROUP_GONE_S
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"left behind in process group {pgid}: {left}"
+
+
+def wait_for_log(server: RemoteServer, text: str) -> None:
+    deadline = time.monotonic() + LOG_TIMEOUT_S
+    while text not in server.log_path.read_text(errors="replace"):
+        assert server.process.poll() is None, (
+            f"the server exited before logging {text!r}:\n{server.log_tail()}"
+        )
+        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{server.log_tail()}"
+        time.sleep(0.05)
+
+
+def start_stream(server: RemoteServer) -> Iterator[openai.types.Completion]:
+    """A stream in flight: its first chunk has arrived."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = iter(
+        client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=STREAM_MAX_TOKENS, temperature=0, stream=True
+        )
+    )
+    next(stream)
+    return stream
+
+
+def stop_with_sigterm(server: RemoteServer) -> None:
+    """SIGTERM to the server alone: the stream in flight runs to its end, then the server exits 0."""
+    pgid = os.getpgid(server.process.pid)
+    stream = start_stream(server)
+    server.process.send_signal(signal.SIGTERM)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    assert chunks[-1].finish_reason == "length"
+    assert len(chunks) == STREAM_MAX_TOKENS - 1  # after the first
+    assert server.process.wait(timeout=EXIT_TIMEOUT_S) == 0, server.log_tail()
+    assert_group_gone(pgid)
+
+
+def stop_with_two_ctrl_c(server: RemoteServer, draining_marker: str) -> None:
+    """SIGINT to the whole group once, and again once the server drains (it logs `draining_marker`):
+    the server stops within FORCED_STOP_S of the second, though its stream is still in flight."""
+    pgid = os.getpgid(server.process.pid)
+    stream = start_stream(server)
+    os.killpg(pgid, signal.SIGINT)
+    wait_for_log(server, draining_marker)
+    os.killpg(pgid, signal.SIGINT)
+    second_at = time.monotonic()
+    try:
+        server.process.wait(timeout=EXIT_TIMEOUT_S)
+        assert time.monotonic() - second_at < FORCED_STOP_S, server.log_tail()
+        assert_group_gone(pgid)
+    finally:
+        with contextlib.suppress(openai.APIError, httpx.HTTPError):
+            stream.close()  # type: ignore[attr-defined]
+
+
+# ---- raypage api-server ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def api_server(tiny_model: Path, tmp_path: Path) -> Iterator[RemoteServer]:
+    server = RemoteServer(
+        ["--model", str(tiny_model), *ENGINE_FLAGS], tmp_path / "server.log", new_session=True
+    )
+    yield server
+    server.stop()
+
+
+def test_sigterm_to_api_server_drains_and_leaves_no_process(api_server: RemoteServer) -> None:
+    stop_with_sigterm(api_server)
+
+
+def test_two_ctrl_c_stop_the_api_server_at_once_leaving_no_process(api_server: RemoteServer) -> None:
+    stop_with_two_ctrl_c(api_server, "draining: ")
+
+
+# ---- raypage serve -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def serve(tiny_model: Path, tmp_path: Path) -> Iterator[RemoteServer]:
+    server = RemoteServer(
+        ["--model", str(tiny_model), *ENGINE_FLAGS, *SERVE_FLAGS],
+        tmp_path / "serve.log",
+        command="serve",
+        stop_timeout_s=EXIT_TIMEOUT_S,
+        new_session=True,
+    )
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_to_serve_drains_and_leaves_no_process(serve: RemoteServer) -> None:
+    stop_with_sigterm(serve)
+
+
+@pytest.mark.slow
+def test_two_ctrl_c_stop_serve_at_once_leaving_no_process(serve: RemoteServer) -> None:
+    stop_with_two_ctrl_c(serve, "draining the app's requests in flight")
+
+
+@pytest.mark.slow
+def test_sigterm_to_serve_with_an_unhealthy_replica_leaves_no_process(serve: RemoteServer) -> None:
+    pgid = os.getpgid(serve.process.pid)
+    (replica,) = [
+        process
+        for process in psutil.Process(serve.process.pid).children(recursive=True)
+        if " ".join(process.cmdline()).startswith("ray::ServeReplica:")
+    ]
+    (core,) = [child for child in replica.children() if "spawn_main" in " ".join(child.cmdline())]
+    core.kill()  # the replica's engine is dead: /health answers 503
+    deadline = time.monotonic() + LOG_TIMEOUT_S
+    while httpx.get(serve.base_url + "/health", timeout=10).status_code != 503:
+        assert time.monotonic() < deadline, "the replica never reported its dead engine"
+        time.sleep(0.1)
+    serve.process.send_signal(signal.SIGTERM)
+    assert serve.process.wait(timeout=EXIT_TIMEOUT_S) == 0, serve.log_tail()
+    assert_group_gone(pgid)
