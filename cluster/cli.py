@@ -15,11 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cluster.bench import serve, throughput
 from cluster.engine_args import add_engine_args, engine_settings_from_args
-from cluster.openai import api_server
-from cluster.serve import command as serve_command
-from engine import LLM, SamplingParams
+from engine.sampling_params import SamplingParams
 
 # A handler gets the parsed arguments and the checked flat engine settings.
 Handler = Callable[[argparse.Namespace, dict[str, Any]], None]
@@ -31,6 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     Each leaf command sets `handler`, `command_parser` (for its usage line in errors) and optionally
     `check_args`, which raises ValueError on bad arguments before any weights are loaded.
     """
+    # Imported here, not at the top: an engine core process (spawned) imports this module again as
+    # its main module, and needs none of the commands' modules (Ray, Serve, the HTTP stack, the
+    # benchmarks), whose imports took seconds of its start-up.
+    from cluster.bench import serve, throughput
+    from cluster.openai import api_server
+    from cluster.serve import command as serve_command
+
     parser = argparse.ArgumentParser(prog="raypage", description="raypage LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -110,6 +114,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def run_generate(args: argparse.Namespace, settings: dict[str, Any]) -> None:
     """Print the completion of `args.prompt`."""
+    from engine import LLM  # (see build_parser: not in a spawned core's imports)
+
     params = _sampling_params(args)
     llm = LLM(**settings)
     output = llm.generate(args.prompt, params, use_tqdm=False)[0]
@@ -118,6 +124,8 @@ def run_generate(args: argparse.Namespace, settings: dict[str, Any]) -> None:
 
 def run_chat(args: argparse.Namespace, settings: dict[str, Any]) -> None:
     """Print the reply to `args.message` (after `args.system` when given)."""
+    from engine import LLM
+
     params = _sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.message})

@@ -6,19 +6,23 @@ the page walk (two-dimensional in a VM) comes before the row's own trip to memor
 the walks mostly vanish. Many distributions run transparent huge pages in `madvise` mode, where the
 kernel backs a region with them only when asked (`madvise(MADV_HUGEPAGE)`), so the cache asks.
 
-Best effort: off Linux, for a non-CPU device, for small tensors, or when `madvise` fails (THP
-`never`, a kernel without it), the tensor is an ordinary `torch.zeros`.
+Best effort: off Linux, for a non-CPU device, or for tensors under one huge page, the tensor is an
+ordinary `torch.zeros`; where `madvise` fails (THP `never`, a kernel without it) it is zeroed memory
+on ordinary pages.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import sys
 
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14  # <linux/mman.h>
+MADV_POPULATE_WRITE = 23
 
 
 def _advise_huge_pages(address: int, length: int) -> bool:
@@ -32,12 +36,30 @@ def _advise_huge_pages(address: int, length: int) -> bool:
     return libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
 
 
+def _populate(address: int, length: int) -> bool:
+    """madvise(MADV_POPULATE_WRITE) over the pages of [address, address + length) (Linux 5.14+)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(address, length, MADV_POPULATE_WRITE) == 0
+
+
 def zeros_on_huge_pages(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """torch.zeros(shape), its memory advised onto huge pages before it is first touched where possible."""
-    if torch.device(device).type != "cpu" or not sys.platform.startswith("linux"):
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(*shape, dtype=dtype, device=device)
-    tensor = torch.empty(*shape, dtype=dtype, device=device)
-    # Before the zeroing: the page faults it takes are what allocate the (huge) pages. A region that
-    # is not 2 MB-aligned keeps 4 KB pages at its ends, a few MB out of hundreds.
-    _advise_huge_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-    return tensor.zero_()
+    # A private anonymous mapping of its own (a shared one would be shmem, off THP): zero pages from the kernel, never memory freed by someone else,
+    # so no zeroing pass of our own (it doubled the cost of the page faults, seconds per GiB of huge
+    # pages). The tensor holds the mapping, which is unmapped with the last reference to it.
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    tensor = torch.frombuffer(region, dtype=dtype, count=numel).view(shape)
+    # Advised before the first touch: the page faults are what allocate the (huge) pages. A region
+    # that is not 2 MB-aligned keeps 4 KB pages at its ends, a few MB out of hundreds.
+    _advise_huge_pages(tensor.data_ptr(), nbytes)
+    # Faulted in now, by the kernel in one call, rather than at a request's first write into each
+    # page (and an overcommitted host fails here rather than mid-request); touched by hand where
+    # the kernel is too old for that.
+    if not _populate(tensor.data_ptr(), nbytes):
+        tensor.zero_()
+    return tensor

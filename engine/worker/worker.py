@@ -15,12 +15,22 @@ from engine.config import ResolvedEngineConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cache_engine import CacheEngine
 from engine.worker.cuda_graphs import cuda_graphs_disabled_reason, graph_memory_estimate
-from engine.worker.memory import DEFAULT_CPU_KV_CACHE_BYTES, GiB, profile_cuda_memory, profile_host_memory
+from engine.worker.memory import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    GiB,
+    host_available_bytes,
+    profile_cuda_memory,
+    profile_host_memory,
+)
 from engine.worker.model_runner import ModelRunner
 from parallel.comm import take_comm_times
 from parallel.state import get_parallel_state, init_model_parallel
 
 logger = logging.getLogger(__name__)
+
+# A CPU KV cache of at most this share of the host's available memory leaves at least as much again
+# for the activations of one step, which take a fraction of the cache's size at the batch limits.
+_UNPROFILED_SHARE = 0.5
 
 
 class Worker:
@@ -68,7 +78,8 @@ class Worker:
         self.model_runner.load_model()
 
     def determine_num_kv_blocks(self) -> tuple[int, int]:
-        """(device blocks, host swap blocks) this worker can hold, after a profiling pass at the batch limits."""
+        """(device blocks, host swap blocks) this worker can hold, after a profiling pass at the batch
+        limits (on the CPU only for a cache of more than _UNPROFILED_SHARE of the available memory)."""
         cache = self.config.cache
         runner = self.model_runner
         block_bytes = CacheEngine.bytes_per_block(cache.block_size, runner.kv_cache_spec(), runner.dtype)
@@ -85,17 +96,21 @@ class Worker:
                 tp_size = self.config.parallel.tensor_parallel_size
                 budget -= graph_memory_estimate(self.config, runner.dtype, tp_size) + block_bytes
         else:
-            profile = profile_host_memory(runner.profile_run)
             budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
-            # Leave the host headroom for the activations the profile measured, plus 10%.
-            room = int((profile.available_after - profile.peak_bytes) * 0.9)
-            if budget > room:
-                logger.warning(
-                    "kv_cache_memory of %.2f GiB does not fit beside the profiled peak; using %.2f GiB",
-                    budget / GiB,
-                    room / GiB,
-                )
-                budget = room
+            # A cache that leaves most of the host's memory free is allocated as set, without the
+            # profiling pass (a forward and a sampling at the batch limits, seconds of the start-up),
+            # as vLLM's CPU backend does; a larger one is checked against the profiled peak.
+            if budget > host_available_bytes() * _UNPROFILED_SHARE:
+                profile = profile_host_memory(runner.profile_run)
+                # Leave the host headroom for the activations the profile measured, plus 10%.
+                room = int((profile.available_after - profile.peak_bytes) * 0.9)
+                if budget > room:
+                    logger.warning(
+                        "kv_cache_memory of %.2f GiB does not fit beside the profiled peak; using %.2f GiB",
+                        budget / GiB,
+                        room / GiB,
+                    )
+                    budget = room
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise RuntimeError(

@@ -1,0 +1,1 @@
+"""Benchmark and profiling scripts (not shipped inside the packages)."""
