@@ -6,7 +6,7 @@ Which matmul is fastest depends on the CPU, and each way wants the weight in ano
   multiplies bf16 pairs natively (AVX-512 BF16) but has no AMX, such as AMD's Zen 4 and Zen 5. There
   it ran SmolLM2's projections 1.2-1.7x faster than oneDNN's brgemm at decode batch sizes, with
   weights streamed from memory, and level or faster at prefill sizes (`python -m
-  kernels.bench_linear`; docs/performance.md). The packed weight is a bf16 tensor of shape [shards, out / 16, in / 2, 32] whose values
+  benchmarks.bench_linear`; docs/performance.md). The packed weight is a bf16 tensor of shape [shards, out / 16, in / 2, 32] whose values
   only the kernel reads; bf16 weights whose output size splits into shards of a multiple of 16 and
   whose input size is even. A fused gate and up projection is packed as two shards, so that one
   kernel call computes SiLU(gate) * up without writing either projection out (`silu_and_mul_linear`).

@@ -1,39 +1,59 @@
-"""Paged attention in C++ kernels that read the cache's blocks in place.
+"""Paged attention on the CPU in C++ kernels that read the cache's blocks in place.
 
-Where the CPU has AMX-BF16 and the cache is bf16 (head_dim 32, 64, 96 or 128, blocks of a multiple
-of 16 tokens), `torch.ops.raypage.amx_paged_attention` (kernels/csrc/amx_attention.cpp) attends the
-whole batch in one call, decodes and prefill chunks alike: a sequence's query rows and the query
-heads of a GQA group are the rows of matrix tiles, each causal to its own position, so a prefill
-chunk reads its context once per item of 128 rows instead of once per row. On SmolLM2's shapes it
-beat the kernel below 2-6x on prefill steps, 1.2x on decodes with the cache in L3 and tied with it
-out of L3 (`python -m kernels.bench_attention [--prefill] [--cold]`).
+Which kernel attends which rows of a batch is decided in one place, `cpu_attention_path`, by the
+table `CPU_ATTENTION_PATHS`: its rows are tried in order for the batch's decode rows and for its
+prefill rows, and the first whose condition holds is taken.
 
-Elsewhere decode rows take `torch.ops.raypage.paged_decode_attention` (kernels/csrc/paged_attention.cpp,
-compiled by kernels/build.py), which attends each (query row, KV head) pair over that row's blocks
-where they lie, so no padded copy of any sequence's keys and values is gathered per step. Prefill
-chunks of a bf16 cache on a CPU with AVX-512 BF16 take `torch.ops.raypage.tiled_prefill_attention`
-(kernels/csrc/tiled_attention.cpp): 16 tokens of a chunk as the lanes of each vector, every key and
-value read once per 16 tokens where it lies; on SmolLM2's shapes 1.8-2.4x faster than running each
-prefill row through the decode kernel as a one-token sequence, which the backend did before
-(`python -m kernels.bench_attention --prefill`). Other prefill chunks (other dtypes and CPUs, shapes
-the kernels are not built for) take the sdpa backend's path, SDPA per chunk over a gathered copy of
-its context, and only decode rows the C++ kernel. Tensors off the CPU take the sdpa backend.
+| path           | rows              | taken where                                                          |
+| -------------- | ----------------- | -------------------------------------------------------------------- |
+| sdpa           | the whole batch   | the tensors are off the CPU                                          |
+| amx            | the whole batch   | `amx_serves`: a bf16 cache, AMX-BF16, a head and block size it has   |
+| cascade_decode | decodes           | `tiled_serves` and `cascade_blocks`: enough decodes share a prefix   |
+| paged_decode   | decodes           | always (every other decode row)                                      |
+| tiled_prefill  | prefill chunks    | `tiled_serves`: a bf16 cache, AVX-512 BF16, a shape it is built for  |
+| sdpa_prefill   | prefill chunks    | always (other dtypes, CPUs and shapes)                               |
 
-Decode rows that share a long prompt prefix (the same leading blocks, through the prefix cache) take
-`torch.ops.raypage.cascade_decode_attention` where the tiled kernel serves: each row attends to its
-own tokens past the prefix through the decode kernel, then the prefix's keys and values are read
-once for 16 rows at a time by the tiled kernel, and the two parts are merged by their softmax sums.
+- sdpa: the sdpa backend (kernels/attention/sdpa.py), decodes in padded runs and SDPA per chunk.
+- amx: `torch.ops.raypage.amx_paged_attention` (kernels/csrc/amx_attention.cpp), one call for
+  decodes and prefill chunks alike: a sequence's query rows and the query heads of a GQA group are
+  the rows of matrix tiles, each causal to its own position, so a prefill chunk reads its context
+  once per item of 128 rows instead of once per row; it beats the kernels below on prefill steps
+  and on decodes with the cache in L3, and ties with them out of L3 (docs/performance.md, "AMX-BF16").
+- cascade_decode: `torch.ops.raypage.cascade_decode_attention` (kernels/csrc/tiled_attention.cpp):
+  each row attends to its own tokens past the shared prefix through the decode kernel, then the
+  prefix's keys and values are read once for 16 rows at a time by the tiled kernel, and the two
+  parts are merged by their softmax sums.
+- paged_decode: `torch.ops.raypage.paged_decode_attention` (kernels/csrc/paged_attention.cpp), each
+  (query row, KV head) pair over that row's blocks where they lie, so no padded copy of any
+  sequence's keys and values is gathered per step. Inside, the kernel takes its `vdpbf16ps` loop
+  for a bf16 cache on AVX-512 BF16 with head_dim 32, 64 or 128, GQA groups of 1-4, 6 or 8 and blocks
+  of a multiple of 16 tokens, and its widening loop (AVX-512 or AVX2) for every other case.
+- tiled_prefill: `torch.ops.raypage.tiled_prefill_attention` (kernels/csrc/tiled_attention.cpp),
+  16 tokens of a chunk as the lanes of each vector, every key and value read once per 16 tokens
+  where it lies; faster than running each prefill row through the decode kernel as a one-token
+  sequence, which the backend did before (docs/performance.md, "Tiled prefill attention").
+- sdpa_prefill: the sdpa backend's path, SDPA per chunk over a gathered copy of its context: where
+  the decode kernel would widen every key for every row that reads it, SDPA per chunk wins.
+
+`python -m benchmarks.bench_attention [--prefill] [--cold]` times these paths. The backend needs
+`kernels.build.cpu_kernels_available()`; where the kernels cannot be built the selector hands out
+the sdpa backend instead (kernels/attention/selector.py). A fused decoder layer
+(engine/models/fused_layers.py, only where the tiled kernel serves and linears run in panels, so
+never with AMX) makes the same decode and prefill choices in C++, from `cascade_blocks` here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from kernels.attention.metadata import AttentionMetadata
-from kernels.attention.sdpa import decode_padded_runs, paged_attention, sdpa_attention
+from kernels.attention.sdpa import decode_padded_runs, prefill_per_chunk, sdpa_attention
 from kernels.cache_ops import reshape_and_cache
 
 
@@ -61,8 +81,8 @@ def _tiled_serves_shape(head_dim: int, group: int, block_size: int) -> bool:
     return torch.ops.raypage.tiled_attention_serves(head_dim, group, block_size)
 
 
-# Cascade attention (tiled_attention.cpp) paid from about 16 decodes sharing 128 tokens, 1.5x at 64
-# sharing 384, and cost up to 1.7x below (docs/performance.md, "raypage's own kernels").
+# Cascade attention pays only where enough decodes share enough tokens, and costs time below that
+# (docs/performance.md, "raypage's own kernels").
 CASCADE_MIN_DECODES = 16
 CASCADE_MIN_SHARED_TOKENS = 128
 
@@ -76,52 +96,158 @@ def cascade_blocks(meta: AttentionMetadata) -> int:
     return shared if shared * meta.block_size >= CASCADE_MIN_SHARED_TOKENS else 0
 
 
+Rows = Literal["decode", "prefill"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRows:
+    """What a path's condition reads: which rows of the batch are being routed, and the batch."""
+
+    rows: Rows
+    query: Tensor
+    kv_cache: Tensor
+    meta: AttentionMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuAttentionPath:
+    """One row of CPU_ATTENTION_PATHS: a path's name, its condition in words, and the condition."""
+
+    name: str
+    when: str
+    applies: Callable[[BatchRows], bool]
+
+
+# Tried in order, first match wins (the module docstring's table). The first two read nothing of
+# `rows`, so they take the whole batch; each of the rest serves one kind of row.
+CPU_ATTENTION_PATHS: tuple[CpuAttentionPath, ...] = (
+    CpuAttentionPath("sdpa", "the tensors are off the CPU", lambda b: not b.query.is_cpu),
+    CpuAttentionPath(
+        "amx",
+        "a bf16 cache on a CPU with AMX-BF16, of a head and block size the AMX kernel is built for",
+        lambda b: amx_serves(b.kv_cache),
+    ),
+    CpuAttentionPath(
+        "cascade_decode",
+        "decode rows, the tiled kernel built for the shape, and enough decodes sharing enough leading blocks",
+        lambda b: b.rows == "decode" and tiled_serves(b.query, b.kv_cache) and cascade_blocks(b.meta) > 0,
+    ),
+    CpuAttentionPath("paged_decode", "every other decode row", lambda b: b.rows == "decode"),
+    CpuAttentionPath(
+        "tiled_prefill",
+        "prefill rows over a bf16 cache on a CPU with AVX-512 BF16, of a shape the tiled kernel is built for",
+        lambda b: b.rows == "prefill" and tiled_serves(b.query, b.kv_cache),
+    ),
+    CpuAttentionPath("sdpa_prefill", "every other prefill row", lambda b: b.rows == "prefill"),
+)
+
+
+def cpu_attention_path(rows: Rows, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> str:
+    """The name of the path that attends the batch's `rows` (the first row of CPU_ATTENTION_PATHS
+    whose condition holds); "sdpa" and "amx" take the whole batch."""
+    batch = BatchRows(rows, query, kv_cache, meta)
+    return next(path.name for path in CPU_ATTENTION_PATHS if path.applies(batch))
+
+
+def _amx_decodes(out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> None:
+    num_decodes = meta.num_decodes
+    starts = meta.query_start_loc_tensor[: num_decodes + 1]  # 0, 1, ...: one row per decode
+    torch.ops.raypage.amx_paged_attention(
+        out, query, kv_cache, meta.block_table[:num_decodes], meta.seq_lens[:num_decodes], starts, scale
+    )
+
+
+def _cascade_decodes(
+    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> None:
+    num_decodes = meta.num_decodes
+    torch.ops.raypage.cascade_decode_attention(
+        out,
+        query,
+        kv_cache,
+        meta.block_table[:num_decodes],
+        meta.seq_lens[:num_decodes],
+        cascade_blocks(meta),
+        scale,
+    )
+
+
+def _paged_decodes(
+    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> None:
+    num_decodes = meta.num_decodes
+    torch.ops.raypage.paged_decode_attention(
+        out, query, kv_cache, meta.block_table[:num_decodes], meta.seq_lens[:num_decodes], scale
+    )
+
+
+# The decode rows' paths: (out, query, kv_cache, meta, scale) over the batch's leading decode rows.
+_DECODE_PATHS: dict[str, Callable[[Tensor, Tensor, Tensor, AttentionMetadata, float], None]] = {
+    "sdpa": decode_padded_runs,
+    "amx": _amx_decodes,
+    "cascade_decode": _cascade_decodes,
+    "paged_decode": _paged_decodes,
+}
+
+
+def _tiled_prefills(
+    out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> None:
+    decodes = meta.num_decodes
+    # The decodes' offsets sliced off: each prefill sequence's rows, as rows of `query`.
+    torch.ops.raypage.tiled_prefill_attention(
+        out,
+        query,
+        kv_cache,
+        meta.block_table[decodes:],
+        meta.seq_lens[decodes:],
+        meta.query_start_loc_tensor[decodes:],
+        scale,
+    )
+
+
+# The prefill rows' paths: (out, query, key, value, kv_cache, meta, scale) over the whole batch's
+# tensors, writing the prefill rows of `out`.
+_PREFILL_PATHS: dict[
+    str, Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, float], None]
+] = {
+    "tiled_prefill": _tiled_prefills,
+    "sdpa_prefill": prefill_per_chunk,
+}
+
+
 def decode_in_place(
     out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
 ) -> None:
-    """Decode rows alone through the C++ kernels (python -m kernels.bench_attention times this)."""
-    if not query.is_cpu:
-        decode_padded_runs(out, query, kv_cache, meta, scale)
-        return
-    num_decodes = meta.num_decodes
-    block_table, seq_lens = meta.block_table[:num_decodes], meta.seq_lens[:num_decodes]
-    if amx_serves(kv_cache):
-        starts = meta.query_start_loc_tensor[: num_decodes + 1]  # 0, 1, ...: one row per decode
-        torch.ops.raypage.amx_paged_attention(out, query, kv_cache, block_table, seq_lens, starts, scale)
-    elif tiled_serves(query, kv_cache) and (shared := cascade_blocks(meta)):
-        torch.ops.raypage.cascade_decode_attention(out, query, kv_cache, block_table, seq_lens, shared, scale)
-    else:
-        torch.ops.raypage.paged_decode_attention(out, query, kv_cache, block_table, seq_lens, scale)
+    """The decode rows alone (query[:num_decodes]) into `out`, by the path the table picks for them
+    (python -m benchmarks.bench_attention times this)."""
+    _DECODE_PATHS[cpu_attention_path("decode", query, kv_cache, meta)](out, query, kv_cache, meta, scale)
 
 
 def cpu_paged_attention(
     query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
 ) -> Tensor:
     """Needs `kernels.build.cpu_kernels_available()` first, for tensors on the CPU."""
-    if not query.is_cpu:
+    decode_path = cpu_attention_path("decode", query, kv_cache, meta)
+    if decode_path == "sdpa":
         return sdpa_attention(query, key, value, kv_cache, meta, scale)
-    amx = amx_serves(kv_cache)
-    prefills = meta.num_decodes < meta.num_seqs
-    if not amx and prefills and not tiled_serves(query, kv_cache):
-        return paged_attention(query, key, value, kv_cache, meta, scale, decode_in_place)
     reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
     out = torch.empty_like(query)
-    if amx:
+    if decode_path == "amx":
         torch.ops.raypage.amx_paged_attention(
             out, query, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc_tensor, scale
         )
         return out
     decodes = meta.num_decodes
     if decodes:
-        decode_in_place(out[:decodes], query[:decodes], kv_cache, meta, scale)
-    if prefills:  # the decodes' offsets sliced off: each prefill sequence's rows, as rows of `query`
-        torch.ops.raypage.tiled_prefill_attention(
-            out,
-            query,
-            kv_cache,
-            meta.block_table[decodes:],
-            meta.seq_lens[decodes:],
-            meta.query_start_loc_tensor[decodes:],
-            scale,
-        )
+        _DECODE_PATHS[decode_path](out[:decodes], query[:decodes], kv_cache, meta, scale)
+    if decodes < meta.num_seqs:
+        prefill_path = cpu_attention_path("prefill", query, kv_cache, meta)
+        _PREFILL_PATHS[prefill_path](out, query, key, value, kv_cache, meta, scale)
     return out

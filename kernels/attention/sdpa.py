@@ -10,7 +10,6 @@ with `is_causal`, without reading the cache.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,34 +18,33 @@ from torch import Tensor
 from kernels.attention.metadata import AttentionMetadata
 from kernels.cache_ops import gather_blocks, reshape_and_cache
 
-# Attends the leading decode rows (query[:num_decodes]) into `out`, reading the cache's keys and values.
-DecodeAttention = Callable[[Tensor, Tensor, Tensor, AttentionMetadata, float], None]
+
+def sdpa_attention(
+    query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> Tensor:
+    """Store the new keys and values, attend the decode rows in padded runs, then each prefill chunk."""
+    reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+    out = torch.empty_like(query)
+    if meta.num_decodes:
+        decode_padded_runs(out[: meta.num_decodes], query[: meta.num_decodes], kv_cache, meta, scale)
+    prefill_per_chunk(out, query, key, value, kv_cache, meta, scale)
+    return out
 
 
-def paged_attention(
+def prefill_per_chunk(
+    out: Tensor,
     query: Tensor,
     key: Tensor,
     value: Tensor,
     kv_cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
-    decode: DecodeAttention,
-) -> Tensor:
-    """Store the new keys and values, attend the decode rows with `decode`, then each prefill chunk."""
-    reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
-    out = torch.empty_like(query)
-    if meta.num_decodes:
-        decode(out[: meta.num_decodes], query[: meta.num_decodes], kv_cache, meta, scale)
+) -> None:
+    """Each prefill chunk's rows of `out` through SDPA, one sequence at a time; the new keys and
+    values must be in the cache already."""
     for i in range(meta.num_decodes, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         out[start:end] = _prefill(query, key, value, kv_cache, meta, i, scale)
-    return out
-
-
-def sdpa_attention(
-    query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
-) -> Tensor:
-    return paged_attention(query, key, value, kv_cache, meta, scale, decode_padded_runs)
 
 
 # Most padded blocks one decode chunk gathers: about 6 MB of bf16 keys and values for a small

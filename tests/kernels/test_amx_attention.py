@@ -11,10 +11,10 @@ import torch
 
 from kernels.attention import cpu_paged
 from kernels.attention.cpu_paged import amx_serves, cpu_paged_attention
-from kernels.attention.random_batch import PagedBatch, random_paged_batch
 from kernels.attention.reference import reference_attention
 from kernels.build import cpu_kernels_available
 from kernels.cache_ops import reshape_and_cache
+from tests.kernels.random_batch import PagedBatch, random_paged_batch
 
 pytestmark = pytest.mark.skipif(
     not (cpu_kernels_available() and torch.ops.raypage.amx_attention_serves(64, 16)),

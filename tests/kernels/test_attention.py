@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kernels.attention import get_attention_backend, sdpa
-from kernels.attention.random_batch import specs_metadata
 from kernels.attention.sdpa import decode_chunks
 from kernels.cache_ops import copy_blocks, reshape_and_cache
+from tests.kernels.random_batch import specs_metadata
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 

@@ -14,10 +14,10 @@ import torch
 
 from kernels.attention import AttentionMetadata, cpu_paged, get_attention_backend
 from kernels.attention.cpu_paged import cpu_paged_attention
-from kernels.attention.random_batch import random_paged_batch
 from kernels.attention.reference import reference_attention
 from kernels.attention.sdpa import sdpa_attention
 from kernels.build import cpu_kernels_available
+from tests.kernels.random_batch import random_paged_batch
 from tests.kernels.test_attention import DIM, MIXED, build_batch
 
 needs_kernels = pytest.mark.skipif(

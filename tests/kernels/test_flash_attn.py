@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kernels.attention.flash_attn import flash_attn_attention, flash_attn_unavailable_reason, paged_views
-from kernels.attention.random_batch import random_paged_batch
 from kernels.attention.reference import reference_attention
+from tests.kernels.random_batch import random_paged_batch
 
 CUDA = torch.device("cuda")
 

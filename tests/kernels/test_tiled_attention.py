@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kernels.attention.cpu_paged import cascade_blocks, cpu_paged_attention
-from kernels.attention.random_batch import PagedBatch, random_paged_batch
 from kernels.attention.reference import reference_attention
 from kernels.build import cpu_kernels_available
 from kernels.cache_ops import reshape_and_cache
+from tests.kernels.random_batch import PagedBatch, random_paged_batch
 
 pytestmark = pytest.mark.skipif(
     not (cpu_kernels_available() and torch.ops.raypage.tiled_attention_serves(64, 3, 16)),

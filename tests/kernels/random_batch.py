@@ -1,5 +1,5 @@
 """Random batches over a paged KV cache, for checking attention backends against the reference
-(tests at small sizes, cluster/bench/gpu_check.py at real ones)."""
+(tests at small sizes, benchmarks/gpu_check.py at real ones)."""
 
 from __future__ import annotations
 

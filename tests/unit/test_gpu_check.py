@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cluster.bench import gpu_check
+from benchmarks import gpu_check
 from engine.models.model_files import read_arch_config, resolve_model_source
 
 

@@ -12,8 +12,8 @@ dependencies carried as wheels), runs in about 4 minutes on an H200:
 3. `pytest -m gpu` over the modules that hold CUDA-only tests, last, so that a run cut short by a
    time limit still has the figures.
 
-    python -m cluster.bench.gpu_check --out results/          # on the GPU machine
-    python -m cluster.bench.gpu_check --dry-run --out /tmp/x  # its Python parts on the CPU, tiny
+    python -m benchmarks.gpu_check --out results/          # on the GPU machine
+    python -m benchmarks.gpu_check --dry-run --out /tmp/x  # its Python parts on the CPU, tiny
 
 Results: summary.json and summary.md in --out, and the table on stdout. The benchmark runs call the
 throughput command's own handler in a subprocess each (so each run starts with a clean GPU), without
@@ -142,8 +142,8 @@ def check_backends(
     1-4k context, a fresh 2k prefill and a 512-token chunk over a 1k prefix."""
     from kernels.attention import get_attention_backend
     from kernels.attention.flash_attn import FLASH_ATTN_PAGE_MULTIPLE
-    from kernels.attention.random_batch import random_paged_batch
     from kernels.attention.reference import reference_attention
+    from tests.kernels.random_batch import random_paged_batch
 
     if real_sizes:
         specs = [(4096 - 47 * i, 1) for i in range(64)] + [(0, 2048), (1024, 512)]
@@ -201,7 +201,7 @@ def run_throughput(argv: list[str]) -> None:
 def bench(label: str, argv: list[str], out: Path, timeout_s: float) -> dict[str, Any]:
     """One throughput run in a subprocess; its JSON results, or the error that ended it."""
     result_path = out / f"throughput-{label}.json"
-    command = [sys.executable, "-c", "import sys; from cluster.bench.gpu_check import run_throughput; "
+    command = [sys.executable, "-c", "import sys; from benchmarks.gpu_check import run_throughput; "
                "run_throughput(sys.argv[1:])", *argv, "--output-json", str(result_path)]  # fmt: skip
     print(f"== bench {label}: {' '.join(argv)}", flush=True)
     try:
@@ -281,7 +281,7 @@ def run_pytest(out: Path, timeout_s: float) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m cluster.bench.gpu_check", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--out", type=Path, default=Path("gpu-check"), help="results folder (default: gpu-check)"

@@ -1,7 +1,7 @@
 """Per-layer attention time of the CPU backends: the C++ kernels over blocks in place against the sdpa
 backend's gathers.
 
-    python -m kernels.bench_attention [--threads 2] [--rounds 7] [--prefill] [--cold [--layers 30] [--small-pages]]
+    python -m benchmarks.bench_attention [--threads 2] [--rounds 7] [--prefill] [--cold [--layers 30] [--small-pages]]
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), blocks of 16, a bf16 cache, blocks
 scattered at random. Decodes (the default): one batch of 64 sequences of 128-256 tokens and one of

@@ -1,6 +1,6 @@
 """GFLOP/s of SmolLM2's projections in each linear weight form this CPU has (kernels/linear.py).
 
-    python -m kernels.bench_linear [--rows 64 2048] [--rounds 15] [--threads 2]
+    python -m benchmarks.bench_linear [--rows 64 2048] [--rounds 15] [--threads 2]
 
 Each form is timed over 30 copies of the weight in turn, so that every call reads its weight from
 memory as a decode step does (30 layers' weights do not fit in L3); "warm" repeats one copy. Forms
