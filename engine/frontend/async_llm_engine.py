@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from engine.config import EngineConfig
+from engine.config_resolve import resolve_engine_config
 from engine.exceptions import EngineDeadError, EngineOverloadedError
 from engine.frontend.input_processor import PromptType
 from engine.frontend.llm_engine import build_front_end
@@ -44,12 +45,23 @@ class AsyncLLMEngine:
         stat_loggers: Sequence[StatLogger] = (),
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
     ) -> None:
-        self.config, self.tokenizer, self.input_processor = build_front_end(config)
+        self.config = resolve_engine_config(config)
+        # The core process starts first and loads the model while this one loads the tokenizer.
+        self.engine_core = EngineCoreClient.make_client(
+            self.config,
+            multiprocess=True,
+            asyncio_mode=True,
+            ready_timeout_s=ready_timeout_s,
+            wait_until_ready=False,
+        )
+        try:
+            _, self.tokenizer, self.input_processor = build_front_end(self.config)
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
+        self.engine_core.wait_until_ready()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers)
-        self.engine_core = EngineCoreClient.make_client(
-            self.config, multiprocess=True, asyncio_mode=True, ready_timeout_s=ready_timeout_s
-        )
         self._latest_stats: SchedulerStats = self.engine_core.initial_stats
         self._queues: dict[str, asyncio.Queue[RequestOutput | EngineDeadError]] = {}
         # Requests aborted since the last batch: reported with the next one.

@@ -72,10 +72,12 @@ class EngineCoreClient(abc.ABC):
         multiprocess: bool,
         asyncio_mode: bool = False,
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        wait_until_ready: bool = True,
     ) -> EngineCoreClient:
-        """The in-process client, or a client of a core process (blocking or asyncio)."""
+        """The in-process client, or a client of a core process (blocking or asyncio). The asyncio
+        one returns at once with `wait_until_ready=False`: see `MPClient.wait_until_ready`."""
         if asyncio_mode:
-            return AsyncMPClient(config, ready_timeout_s)
+            return AsyncMPClient(config, ready_timeout_s, wait_until_ready)
         return SyncMPClient(config, ready_timeout_s) if multiprocess else InprocClient(config)
 
     @property
@@ -185,20 +187,39 @@ class MPClient(EngineCoreClient):
     """
 
     def __init__(
-        self, config: ResolvedEngineConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+        self,
+        config: ResolvedEngineConfig,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        wait_until_ready: bool = True,
     ) -> None:
         self._zmq = zmq.Context()
         # Unsent messages to a dead core must never hold up closing (or collecting) the sockets.
         self._zmq.linger = 0
         self._process = CoreProcess(config)
+        self._ready_timeout_s = ready_timeout_s
         self._dead_error: EngineDeadError | None = None
         self._call_ids = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
+        self._input: zmq.Socket | None = None
         try:
             self._output = self._zmq.socket(zmq.PULL)
             self._output.bind(self._process.output_address)
             self._process.start()
-            self.initial_stats = self._wait_for_ready(ready_timeout_s).scheduler_stats
+        except BaseException:
+            self.shutdown()
+            raise
+        if wait_until_ready:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
+        """Block until the core has loaded its model and sized its KV cache (READY), then connect to
+        it; the client is shut down if it never gets there. A client made with
+        `wait_until_ready=False` lets its caller do other work while the core starts, then calls this
+        before anything else."""
+        if self._input is not None:
+            return
+        try:
+            self.initial_stats = self._wait_for_ready(self._ready_timeout_s).scheduler_stats
             self._input = self._zmq.socket(zmq.PUSH)
             self._input.sndhwm = 0
             self._input.connect(self._process.input_address)
@@ -250,6 +271,8 @@ class MPClient(EngineCoreClient):
 
     def _send(self, kind: EngineCoreRequestType, message: msgspec.Struct) -> None:
         self.check_alive()
+        if self._input is None:
+            raise RuntimeError("the EngineCore client was used before wait_until_ready()")
         self._input.send_multipart(encode_message(self._encoder, kind, message), copy=False)
 
     def _send_utility(self, method: str, args: tuple) -> int:
@@ -335,9 +358,12 @@ class AsyncMPClient(MPClient):
     """
 
     def __init__(
-        self, config: ResolvedEngineConfig, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+        self,
+        config: ResolvedEngineConfig,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        wait_until_ready: bool = True,
     ) -> None:
-        super().__init__(config, ready_timeout_s)
+        super().__init__(config, ready_timeout_s, wait_until_ready)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async_output: zmq.asyncio.Socket | None = None
         self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
