@@ -20,8 +20,9 @@ def reshape_and_cache(
 ) -> None:
     """Store this step's keys and values ([tokens, kv_heads, head_dim]) at their slots.
 
-    On the CPU one C++ call (kernels/csrc/cache_ops.cpp) copies every row where two `index_copy_`
-    calls cost tens of microseconds each; it refuses a slot outside the cache with the slot named.
+    On the CPU one C++ call (kernels/csrc/cache_ops.cpp) copies every row, in less time than the two
+    `index_copy_` calls it replaced (docs/performance.md); it refuses a slot outside the cache with
+    the slot named.
     """
     if kv_cache.is_cpu and key.is_cpu and cpu_kernels_available():
         key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)

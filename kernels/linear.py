@@ -4,10 +4,10 @@ Which matmul is fastest depends on the CPU, and each way wants the weight in ano
 
 - **Packed in panels** for raypage's own kernel (`kernels/csrc/panel_gemm.cpp`) where the CPU
   multiplies bf16 pairs natively (AVX-512 BF16) but has no AMX, such as AMD's Zen 4 and Zen 5. There
-  it ran SmolLM2's projections 1.2-1.7x faster than oneDNN's brgemm at decode batch sizes, with
-  weights streamed from memory, and level or faster at prefill sizes (`python -m
-  benchmarks.bench_linear`; docs/performance.md). The packed weight is a bf16 tensor of shape [shards, out / 16, in / 2, 32] whose values
-  only the kernel reads; bf16 weights whose output size splits into shards of a multiple of 16 and
+  it runs SmolLM2's projections faster than oneDNN's brgemm at decode batch sizes, with weights
+  streamed from memory, and level or faster at prefill sizes (`python -m benchmarks.bench_linear`;
+  docs/performance.md). The packed weight is a bf16 tensor of shape [shards, out / 16, in / 2, 32]
+  whose values only the kernel reads; bf16 weights whose output size splits into shards of a multiple of 16 and
   whose input size is even. A fused gate and up projection is packed as two shards, so that one
   kernel call computes SiLU(gate) * up without writing either projection out (`silu_and_mul_linear`).
 - **oneDNN prepacked** where oneDNN computes in the weight's own dtype otherwise (AMX, where its tile
@@ -16,8 +16,8 @@ Which matmul is fastest depends on the CPU, and each way wants the weight in ano
   batches of decoding that reorder costs as much as the matmul. Reordering once at load time (what
   inductor's freezing does) leaves only the matmul, bit for bit the same.
 - **Widened to float32** where neither computes in the weight's dtype (AVX2 machines such as AMD
-  Zen 3). There torch's bf16 matmul falls back to a generic kernel about ten times slower than
-  float32 sgemm (64 rows × 576 → 3,072 on two threads: 20.5 ms against 2.0 ms). The weight is kept
+  Zen 3). There torch's bf16 matmul falls back to a generic kernel many times slower than float32
+  sgemm (docs/performance.md, "On an AVX2 machine"). The weight is kept
   in float32 (twice its memory), each call widens the activations and rounds the product back to
   their dtype.
 - float32 weights, and every weight off the CPU, stay as they are.

@@ -4,8 +4,8 @@ A decode step of a small model spends a good share of its time in Python between
 about 35 per layer (norms, the four projections, rotary, the cache write, attention and their views),
 each a Python call, a dispatch and its wrapper's checks. `torch.ops.raypage.llama_decoder_layer`
 (kernels/csrc/decoder_layer.cpp) runs the same operators in the same order from C++, so the outputs
-are the same bit for bit (tests/model/test_fused_layers.py); on SmolLM2 it took the forward pass of
-a 64-row decode step from about 38 to about 35 ms (docs/performance.md).
+are the same bit for bit (tests/model/test_fused_layers.py), without the Python between them
+(docs/performance.md).
 
 A layer is fused where all of it runs on those kernels: the cpu_paged attention backend over a bf16
 cache with the tiled prefill kernel built for its shape (AVX-512 BF16), its four projections in

@@ -14,8 +14,8 @@ prefill rows, and the first whose condition holds is taken.
 | sdpa_prefill   | prefill chunks    | always (other dtypes, CPUs and shapes)                               |
 
 - sdpa: the sdpa backend (kernels/attention/sdpa.py), decodes in padded runs and SDPA per chunk.
-- amx: `torch.ops.raypage.amx_paged_attention` (kernels/csrc/amx_attention.cpp), one call for
-  decodes and prefill chunks alike: a sequence's query rows and the query heads of a GQA group are
+- amx: `torch.ops.raypage.amx_paged_attention` (kernels/csrc/amx_attention.cpp; head_dim 32, 64, 96
+  or 128, blocks of a multiple of 16 tokens), one call for decodes and prefill chunks alike: a sequence's query rows and the query heads of a GQA group are
   the rows of matrix tiles, each causal to its own position, so a prefill chunk reads its context
   once per item of 128 rows instead of once per row; it beats the kernels below on prefill steps
   and on decodes with the cache in L3, and ties with them out of L3 (docs/performance.md, "AMX-BF16").
