@@ -1,20 +1,22 @@
 """How long `raypage serve` and `raypage api-server` take from spawn to their first answer.
 
 python -m benchmarks.start_time [--rounds N] [--which serve|api-server|both] [--config FILE]
-                                [--log-dir DIR] [--] [extra flags for the command]
+                                [--log-dir DIR] [--repo DIR] [--] [extra flags for the command]
 
 Each round starts the command as a fresh subprocess in a process group of its own, polls
 GET /v1/models until it answers 200 (the seconds from spawn to then are the start time), sends one
 one-token completion (its latency shows whether work was only deferred into the first request),
 then stops the server with SIGTERM and waits until no process of its group is left. With --log-dir
 each round's output is kept, every line prefixed with the seconds since spawn: a breakdown of where
-the start-up goes.
+the start-up goes. With --repo the commands run from another checkout (e.g. `git archive` of an
+older commit unpacked somewhere), for before/after comparisons run back to back.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -40,11 +42,15 @@ POLL_INTERVAL_S = 0.05
 @dataclass
 class Round:
     """One start of a command: seconds from spawn to the first 200, to the first completion, and
-    from SIGTERM to the last process of its group gone."""
+    from SIGTERM to the last process of its group gone; and the CPU seconds (user + system) of the
+    processes it started that were reaped, over the whole round: the work done, which unlike the
+    wall-clock figures barely depends on what else runs on the machine (Ray's processes, reaped by
+    their own parents outside the tree, are not counted)."""
 
     ready_s: float
     first_completion_s: float
     stop_s: float
+    cpu_s: float
 
 
 def free_port() -> int:
@@ -111,16 +117,17 @@ def stop(process: subprocess.Popen) -> float:
     return took
 
 
-def run_round(command: str, config: str, extra: list[str], log_path: Path | None) -> Round:
+def run_round(command: str, config: str, extra: list[str], log_path: Path | None, repo: Path) -> Round:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "cluster.cli", command, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--config", config, *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115 (closed below)
+    cpu_before = children_cpu_s()
     spawned_at = time.monotonic()
     process = subprocess.Popen(
-        argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        argv, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     reader = threading.Thread(target=copy_timestamped, args=(process.stdout, log, spawned_at), daemon=True)
     reader.start()
@@ -135,7 +142,12 @@ def run_round(command: str, config: str, extra: list[str], log_path: Path | None
         reader.join(timeout=10)
         if log is not None:
             log.close()
-    return Round(ready_s, first_completion_s, stop_s)
+    return Round(ready_s, first_completion_s, stop_s, children_cpu_s() - cpu_before)
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def summary(values: list[float]) -> str:
@@ -148,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--which", choices=(*COMMANDS, "both"), default="both", help="default: both")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"engine config (default: {DEFAULT_CONFIG})")
     parser.add_argument("--log-dir", type=Path, help="keep each round's timestamped output here")
+    parser.add_argument(
+        "--repo", type=Path, default=REPO_ROOT, help="checkout to run the commands from (default: this one)"
+    )
     parser.add_argument("extra", nargs="*", help="more flags for the command (after --)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -156,20 +171,21 @@ def main(argv: list[str] | None = None) -> None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     commands = COMMANDS if args.which == "both" else (args.which,)
     for command in commands:
-        print(f"raypage {command} --config {args.config} {' '.join(args.extra)}".rstrip())
+        print(f"raypage {command} --config {args.config} {' '.join(args.extra)}  (in {args.repo})")
         rounds = []
         for index in range(args.rounds):
             log_path = args.log_dir / f"{command}-{index}.log" if args.log_dir is not None else None
-            result = run_round(command, args.config, args.extra, log_path)
+            result = run_round(command, args.config, args.extra, log_path, args.repo)
             rounds.append(result)
             print(
                 f"  round {index + 1}: first 200 after {result.ready_s:6.2f} s, first completion "
-                f"{result.first_completion_s:5.2f} s, stopped in {result.stop_s:5.2f} s",
+                f"{result.first_completion_s:5.2f} s, stopped in {result.stop_s:5.2f} s, CPU {result.cpu_s:6.2f} s",
                 flush=True,
             )
         print(f"  start time (s):       {summary([r.ready_s for r in rounds])}")
         print(f"  first completion (s): {summary([r.first_completion_s for r in rounds])}")
         print(f"  stop (s):             {summary([r.stop_s for r in rounds])}")
+        print(f"  CPU (s):              {summary([r.cpu_s for r in rounds])}")
 
 
 if __name__ == "__main__":
