@@ -4,20 +4,23 @@ Which kernel attends which rows of a batch is decided in one place, `cpu_attenti
 table `CPU_ATTENTION_PATHS`: its rows are tried in order for the batch's decode rows and for its
 prefill rows, and the first whose condition holds is taken.
 
-| path           | rows              | taken where                                                          |
-| -------------- | ----------------- | -------------------------------------------------------------------- |
-| sdpa           | the whole batch   | the tensors are off the CPU                                          |
-| amx            | the whole batch   | `amx_serves`: a bf16 cache, AMX-BF16, a head and block size it has   |
-| cascade_decode | decodes           | `tiled_serves` and `cascade_blocks`: enough decodes share a prefix   |
-| paged_decode   | decodes           | always (every other decode row)                                      |
-| tiled_prefill  | prefill chunks    | `tiled_serves`: a bf16 cache, AVX-512 BF16, a shape it is built for  |
-| sdpa_prefill   | prefill chunks    | always (other dtypes, CPUs and shapes)                               |
+| path           | taken where                                                                      |
+| -------------- | -------------------------------------------------------------------------------- |
+| sdpa           | the tensors are off the CPU                                                      |
+| amx            | amx_serves: a bf16 cache, AMX-BF16, a head and block size it is built for        |
+| cascade_decode | decode rows; tiled_serves, and cascade_blocks: enough decodes share a prefix     |
+| paged_decode   | every other decode row                                                           |
+| tiled_prefill  | prefill rows; tiled_serves: a bf16 cache, AVX-512 BF16, a shape it is built for  |
+| sdpa_prefill   | every other prefill row (other dtypes, CPUs and shapes)                          |
+
+sdpa and amx take the whole batch, decodes and prefill chunks in one; the others one kind of row.
 
 - sdpa: the sdpa backend (kernels/attention/sdpa.py), decodes in padded runs and SDPA per chunk.
 - amx: `torch.ops.raypage.amx_paged_attention` (kernels/csrc/amx_attention.cpp; head_dim 32, 64, 96
-  or 128, blocks of a multiple of 16 tokens), one call for decodes and prefill chunks alike: a sequence's query rows and the query heads of a GQA group are
-  the rows of matrix tiles, each causal to its own position, so a prefill chunk reads its context
-  once per item of 128 rows instead of once per row; it beats the kernels below on prefill steps
+  or 128, blocks of a multiple of 16 tokens), one call for decodes and prefill chunks alike: a
+  sequence's query rows and the query heads of a GQA group are the rows of matrix tiles, each causal
+  to its own position, so a prefill chunk reads its context once per item of 128 rows instead of
+  once per row; it beats the kernels below on prefill steps
   and on decodes with the cache in L3, and ties with them out of L3 (docs/performance.md, "AMX-BF16").
 - cascade_decode: `torch.ops.raypage.cascade_decode_attention` (kernels/csrc/tiled_attention.cpp):
   each row attends to its own tokens past the shared prefix through the decode kernel, then the
@@ -118,27 +121,30 @@ class CpuAttentionPath:
     applies: Callable[[BatchRows], bool]
 
 
-# Tried in order, first match wins (the module docstring's table). The first two read nothing of
-# `rows`, so they take the whole batch; each of the rest serves one kind of row.
+# Tried in order, first match wins; each `when` is its row of the module docstring's table.
 CPU_ATTENTION_PATHS: tuple[CpuAttentionPath, ...] = (
     CpuAttentionPath("sdpa", "the tensors are off the CPU", lambda b: not b.query.is_cpu),
     CpuAttentionPath(
         "amx",
-        "a bf16 cache on a CPU with AMX-BF16, of a head and block size the AMX kernel is built for",
+        "amx_serves: a bf16 cache, AMX-BF16, a head and block size it is built for",
         lambda b: amx_serves(b.kv_cache),
     ),
     CpuAttentionPath(
         "cascade_decode",
-        "decode rows, the tiled kernel built for the shape, and enough decodes sharing enough leading blocks",
+        "decode rows; tiled_serves, and cascade_blocks: enough decodes share a prefix",
         lambda b: b.rows == "decode" and tiled_serves(b.query, b.kv_cache) and cascade_blocks(b.meta) > 0,
     ),
     CpuAttentionPath("paged_decode", "every other decode row", lambda b: b.rows == "decode"),
     CpuAttentionPath(
         "tiled_prefill",
-        "prefill rows over a bf16 cache on a CPU with AVX-512 BF16, of a shape the tiled kernel is built for",
+        "prefill rows; tiled_serves: a bf16 cache, AVX-512 BF16, a shape it is built for",
         lambda b: b.rows == "prefill" and tiled_serves(b.query, b.kv_cache),
     ),
-    CpuAttentionPath("sdpa_prefill", "every other prefill row", lambda b: b.rows == "prefill"),
+    CpuAttentionPath(
+        "sdpa_prefill",
+        "every other prefill row (other dtypes, CPUs and shapes)",
+        lambda b: b.rows == "prefill",
+    ),
 )
 
 

@@ -53,6 +53,6 @@ def test_off_the_cpu_no_kernel_is_asked_whether_it_serves(monkeypatch):
     assert cpu_attention_path("decode", query, kv_cache, meta) == "sdpa"
 
 
-def test_the_docstring_lists_the_table_in_its_order():
-    listed = re.findall(r"^\| (\w+) +\|", cpu_paged.__doc__, flags=re.MULTILINE)
-    assert listed[1:] == [path.name for path in CPU_ATTENTION_PATHS]  # [0]: the header row
+def test_the_docstring_lists_the_table_in_its_order_and_its_words():
+    listed = re.findall(r"^\| (\w+) +\| (.+?) +\|$", cpu_paged.__doc__, flags=re.MULTILINE)
+    assert listed[1:] == [(path.name, path.when) for path in CPU_ATTENTION_PATHS]  # [0]: the header
