@@ -11,6 +11,7 @@ import os
 import signal
 from typing import Any
 
+import psutil
 import uvicorn
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
@@ -20,6 +21,7 @@ from cluster.openai.engine_watching_server import EngineWatchingServer
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
 from engine.frontend.async_llm_engine import AsyncLLMEngine
+from engine.process.process_utils import kill_descendants
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,8 @@ API_KEY_ENV = "RAYPAGE_API_KEY"
 # by then: only idle keep-alive connections are left to close).
 GRACEFUL_SHUTDOWN_S = 5
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# Seconds the killed processes of a forced stop get to be reaped before the server exits.
+FORCED_STOP_WAIT_S = 3.0
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +129,7 @@ def _serve(
     prometheus = PrometheusStatLogger(settings.served_model_names[0], config.model.max_model_len)
     log_stats = LoggingStatLogger()
     engine = AsyncLLMEngine.from_config(config, stat_loggers=[prometheus, log_stats])
+    server: EngineWatchingServer | None = None
     try:
         drain = DrainState()
         app = build_app(engine, settings, prometheus, log_stats, drain)
@@ -142,5 +147,9 @@ def _serve(
         )
         server.run()
     finally:
+        if server is not None and server.force_exit:
+            # A second signal: the engine core and its workers are killed rather than asked to stop
+            # (their own clean-up can take seconds on a busy machine), and reaped all the same.
+            psutil.wait_procs(kill_descendants(psutil.Process()), timeout=FORCED_STOP_WAIT_S)
         engine.shutdown()
     return server

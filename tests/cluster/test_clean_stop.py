@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ import openai
 import psutil
 import pytest
 
-from tests.cluster.remote_server import RemoteServer
+from tests.cluster.remote_server import REPO_ROOT, RemoteServer, free_port
 from tests.model.tiny_models import write_tiny_model
 
 MODEL = "tiny"
@@ -53,6 +54,14 @@ def group_members(pgid: int) -> list[str]:
     """`pid command` of every process left in group `pgid`."""
     found = subprocess.run(["ps", "-o", "pid=,args=", "-g", str(pgid)], capture_output=True, text=True)
     return [line.strip() for line in found.stdout.splitlines() if line.strip()]
+
+
+def command_line(process: psutil.Process) -> str:
+    """Its command line; empty for a process gone or exited (a zombie has none)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def assert_group_gone(pgid: int) -> None:
@@ -134,6 +143,35 @@ def test_two_ctrl_c_stop_the_api_server_at_once_leaving_no_process(api_server: R
     stop_with_two_ctrl_c(api_server, "draining: ")
 
 
+def test_sigterm_while_the_api_server_starts_stops_its_engine_core_too(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    command = [sys.executable, "-m", "cluster.cli", "api-server", "--port", str(free_port())]
+    with open(tmp_path / "server.log", "wb") as log:
+        server = subprocess.Popen(
+            [*command, "--model", str(tiny_model), *ENGINE_FLAGS],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + LOG_TIMEOUT_S
+        # The engine core is there (it loads the model): the server has not served yet.
+        while not [c for c in psutil.Process(server.pid).children() if "spawn_main" in command_line(c)]:
+            assert server.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "server.log"
+            ).read_text()
+            time.sleep(0.01)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=EXIT_TIMEOUT_S) == 0, (tmp_path / "server.log").read_text()
+        assert_group_gone(server.pid)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
 # ---- raypage serve -----------------------------------------------------------------------------
 
 
@@ -166,9 +204,9 @@ def test_sigterm_to_serve_with_an_unhealthy_replica_leaves_no_process(serve: Rem
     (replica,) = [
         process
         for process in psutil.Process(serve.process.pid).children(recursive=True)
-        if " ".join(process.cmdline()).startswith("ray::ServeReplica:")
+        if command_line(process).startswith("ray::ServeReplica:")
     ]
-    (core,) = [child for child in replica.children() if "spawn_main" in " ".join(child.cmdline())]
+    (core,) = [child for child in replica.children() if "spawn_main" in command_line(child)]
     core.kill()  # the replica's engine is dead: /health answers 503
     deadline = time.monotonic() + LOG_TIMEOUT_S
     while httpx.get(serve.base_url + "/health", timeout=10).status_code != 503:
