@@ -22,19 +22,17 @@ from engine.sampling_params import SamplingParams
 Handler = Callable[[argparse.Namespace, dict[str, Any]], None]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command tree.
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command tree; with `only`, that command's arguments and the other commands' names.
 
     Each leaf command sets `handler`, `command_parser` (for its usage line in errors) and optionally
     `check_args`, which raises ValueError on bad arguments before any weights are loaded.
-    """
-    # Imported here, not at the top: an engine core process (spawned) imports this module again as
-    # its main module, and needs none of the commands' modules (Ray, Serve, the HTTP stack, the
-    # benchmarks), whose imports took seconds of its start-up.
-    from cluster.bench import serve, throughput
-    from cluster.openai import api_server
-    from cluster.serve import command as serve_command
 
+    A command's module is imported only when its arguments are added: `raypage api-server` then
+    never imports Ray and Serve, nor `raypage serve` the benchmarks, each seconds of its start-up;
+    and none is imported at the top, since a spawned engine core imports this module again as its
+    main module.
+    """
     parser = argparse.ArgumentParser(prog="raypage", description="raypage LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -58,27 +56,36 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the Ray Serve app (an OpenAI ingress in front of LLMServer replicas) on a "
         "Ray cluster, joined at --address or started here, until SIGINT or SIGTERM.",
     )
-    serve_command.add_parser_args(serve_app)
-    add_engine_args(serve_app)
-    serve_app.set_defaults(
-        handler=serve_command.run_serve, command_parser=serve_app, check_args=serve_command.check_args
-    )
+    if only in (None, "serve"):
+        from cluster.serve import command as serve_command
+
+        serve_command.add_parser_args(serve_app)
+        add_engine_args(serve_app)
+        serve_app.set_defaults(
+            handler=serve_command.run_serve, command_parser=serve_app, check_args=serve_command.check_args
+        )
 
     server = commands.add_parser(
         "api-server",
         help="serve the OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions and friends with uvicorn.",
     )
-    api_server.add_server_args(server)
-    add_engine_args(server)
-    server.set_defaults(
-        handler=api_server.run_api_server, command_parser=server, check_args=api_server.server_settings
-    )
+    if only in (None, "api-server"):
+        from cluster.openai import api_server
+
+        api_server.add_server_args(server)
+        add_engine_args(server)
+        server.set_defaults(
+            handler=api_server.run_api_server, command_parser=server, check_args=api_server.server_settings
+        )
 
     bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks with JSON results.")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    throughput.add_parser(benchmarks)
-    serve.add_parser(benchmarks)
+    if only in (None, "bench"):
+        from cluster.bench import serve, throughput
+
+        throughput.add_parser(benchmarks)
+        serve.add_parser(benchmarks)
     return parser
 
 
@@ -136,7 +143,9 @@ def run_chat(args: argparse.Namespace, settings: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `raypage` console script."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The command is the first word (the top level has no option but --help).
+    args = build_parser(next((word for word in argv if not word.startswith("-")), None)).parse_args(argv)
     command_parser: argparse.ArgumentParser = args.command_parser
     try:
         settings = engine_settings_from_args(args)
