@@ -9,7 +9,8 @@ reserves if that is more, since logical CPUs only count reservations), with the 
 of the replicas (`cluster.serve.proxy_mode`), which listens on host:port; once the app is up, the
 local cluster's own processes yield the CPU to the engine (`cluster.serve.local_cluster`). On a
 signal Serve is shut down, after the app's replicas have drained their requests in flight (for up
-to --drain-timeout-s), and so is the local cluster when this command started it.
+to --drain-timeout-s), and so is the local cluster when this command started it; a second signal
+stops at once, killing every process of the local cluster. Either way none of them outlives this one.
 """
 
 from __future__ import annotations
