@@ -106,18 +106,31 @@ def check_stages_overlap(llm: LLM) -> None:
     assert overlaps > 0, "the stages never ran at the same time"
 
 
+SMOLLM2 = {"dtype": "float32", "num_kv_blocks": 96, "max_num_seqs": 8}
+SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was"]
+SMOLLM2_PARAMS = SamplingParams(temperature=0.0, max_tokens=10, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    """SmolLM2's outputs on one worker, once for both layouts below (a load and a run of its own)."""
+    llm = LLM(**SMOLLM2)
+    try:
+        return llm.generate(SMOLLM2_PROMPTS, SMOLLM2_PARAMS, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize(
     "layout", [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}], ids=["tp3", "pp2"]
 )
-def test_smollm2_layouts_match_one_worker(layout):
-    settings = {"dtype": "float32", "num_kv_blocks": 96, "max_num_seqs": 8}
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was"]
-    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=5)
-    reference = LLM(**settings).generate(prompts, params, use_tqdm=False)
-    llm = LLM(distributed_executor_backend="mp", **settings, **layout)
+def test_smollm2_layouts_match_one_worker(smollm2_reference, layout):
+    llm = LLM(distributed_executor_backend="mp", **SMOLLM2, **layout)
     try:
         assert_logprobs_close(
-            reference, llm.generate(prompts, params, use_tqdm=False), exact="pipeline_parallel_size" in layout
+            smollm2_reference,
+            llm.generate(SMOLLM2_PROMPTS, SMOLLM2_PARAMS, use_tqdm=False),
+            exact="pipeline_parallel_size" in layout,
         )
     finally:
         llm.llm_engine.shutdown()
