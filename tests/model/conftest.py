@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from engine import LLM
 from engine.models.model_files import packaged_model_path
 
 
@@ -28,3 +31,12 @@ def hf_tokenizer(smollm2_gguf):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="package")
+def llm() -> Iterator[LLM]:
+    """SmolLM2 on the engine (float32, 256 KV blocks), one for the modules that run it as it is: a
+    load costs seconds on two cores. A module that needs other settings defines its own `llm`."""
+    engine = LLM(dtype="float32", num_kv_blocks=256)
+    yield engine
+    engine.llm_engine.shutdown()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, BeamSearchParams, SamplingParams
+from engine import BeamSearchParams, SamplingParams
 
 pytestmark = pytest.mark.slow  # loads transformers' GGUF reference
 
@@ -17,11 +17,6 @@ PROMPTS = [
     "Q: What is 2+2?\nA:",
     "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n",
 ]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", num_kv_blocks=256)
 
 
 def hf_generate(model, tokenizer, prompt: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:

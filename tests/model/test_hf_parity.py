@@ -88,8 +88,7 @@ def test_shared_prefix_is_served_from_cache(reference, hf_tokenizer):
     assert stats["prefix_cache_hits"] == sum(o.num_cached_tokens for o in outputs)
 
 
-def test_engine_tokenizes_like_transformers(hf_tokenizer):
-    llm = LLM(dtype="float32", num_kv_blocks=64)
+def test_engine_tokenizes_like_transformers(llm, hf_tokenizer):
     for prompt in PROMPTS:
         output = llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0]
         assert output.prompt_token_ids == hf_tokenizer(prompt).input_ids

@@ -12,11 +12,6 @@ SEEDED = SamplingParams(n=4, temperature=1.0, top_p=0.95, seed=11, max_tokens=20
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", num_kv_blocks=256, block_size=16)
-
-
-@pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A tiny Llama with SmolLM2's tokenizer: the same prompts take the same blocks as on SmolLM2, so
     the swap tests put the cache under the same pressure at a fraction of the compute."""
