@@ -1,13 +1,11 @@
 """The Ray Serve front door: `raypage serve` (a real subprocess, joined to this module's local Ray
 cluster) with the Ray executor at TP=2, exercised with the official openai client; a killed worker
-actor and the replica Serve puts in its place; the separate-ingress shape (a cache_salt through it);
-`raypage serve` on a local cluster of its own behind HAProxy; the args parser on every Serve config
-file."""
+actor and the replica Serve puts in its place; the args parser on every Serve config file. The
+separate ingress on a cluster of its own is test_serve_own_cluster.py's, apart from this module's
+cluster, which would otherwise run beside it until this module ends."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,29 +23,24 @@ from cluster.cli import main
 from cluster.serve import proxy_mode
 from cluster.serve.args import parse_app_args, parse_app_models
 from cluster.serve_app import build_app, llm_server_options, required_cpus
-from engine import LLM, SamplingParams
 from tests.cluster.local_ray_cluster import local_cluster
 from tests.cluster.remote_server import REPO_ROOT, RemoteServer
+from tests.cluster.serve_checks import (
+    API_KEY,
+    MODEL,
+    PROMPT,
+    assert_a_closed_stream_aborts,
+    assert_serves_greedy_texts,
+    engine_flags,
+    offline_greedy_texts,
+    processes_titled,
+)
 from tests.model.tiny_models import write_tiny_model
 
-MODEL = "served-model"
-API_KEY = "sk-serve-test"
-PROMPT = "The capital of France is"
-MESSAGES = [{"role": "user", "content": "Name three colors."}]
-MAX_TOKENS = 12
-# A 4-head tiny Llama splits over two TP ranks (SmolLM2's 9 heads do not).
-ENGINE = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 64, "max_num_seqs": 16}
 # Two logical CPUs per extra replica: Serve may start a replacement before the old one is gone.
 CLUSTER_CPUS = 8
 DEATH_NOTICE_S = 10.0  # how long a killed worker may take to fail the in-flight request
 REPLACEMENT_TIMEOUT_S = 120.0
-
-
-def engine_flags(model: Path) -> list[str]:
-    flags = ["--model", str(model)]
-    for key, value in ENGINE.items():
-        flags += ["--" + key.replace("_", "-"), str(value)]
-    return flags
 
 
 def health(base_url: str) -> int | None:
@@ -67,33 +60,11 @@ def wait_for_health(base_url: str, status: int, timeout_s: float) -> float:
     raise TimeoutError(f"/health did not answer {status} within {timeout_s:.0f} s")
 
 
-def processes_titled(prefix: str, root: psutil.Process | None = None) -> list[psutil.Process]:
-    """The descendants of `root` (default: this test; the cluster's processes among them) whose title
-    starts with `prefix`."""
-    found = []
-    for process in (root or psutil.Process()).children(recursive=True):
-        try:
-            if " ".join(process.cmdline()).startswith(prefix):
-                found.append(process)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
 def gone(process: psutil.Process) -> bool:
     try:
         return process.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def metric(base_url: str, series: str) -> float:
-    """The first sample of /metrics whose line starts with `series` (a name, and the start of its
-    labels if need be); 0 when there is none yet."""
-    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(series if "{" in series else series + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 # ---- the args parser, without a cluster -----------------------------------------------------------
@@ -256,16 +227,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(tiny_model: Path) -> dict[str, str]:
-    """Greedy texts of the offline engine, in this process with one worker."""
-    llm = LLM(str(tiny_model), distributed_executor_backend="uni", **ENGINE)
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    try:
-        return {
-            "completion": llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text,
-            "chat": llm.chat(MESSAGES, greedy, use_tqdm=False)[0].outputs[0].text,
-        }
-    finally:
-        llm.llm_engine.shutdown()
+    return offline_greedy_texts(tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -302,21 +264,6 @@ def client(server: RemoteServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
-def assert_serves_greedy_texts(client: openai.OpenAI, expected: dict[str, str]) -> None:
-    settings = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
-    whole = client.completions.create(prompt=PROMPT, **settings)
-    assert whole.choices[0].text == expected["completion"]
-    assert whole.usage.completion_tokens == MAX_TOKENS
-    chunks = client.completions.create(prompt=PROMPT, stream=True, **settings)
-    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected["completion"]
-
-    reply = client.chat.completions.create(messages=MESSAGES, **settings)
-    assert reply.choices[0].message.role == "assistant"
-    assert reply.choices[0].message.content == expected["chat"]
-    chunks = client.chat.completions.create(messages=MESSAGES, stream=True, **settings)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["chat"]
-
-
 @pytest.mark.slow
 def test_completions_and_chat_match_the_offline_engine(
     server: RemoteServer, client: openai.OpenAI, expected: dict[str, str]
@@ -333,24 +280,6 @@ def test_workers_run_in_the_replicas_placement_group(server: RemoteServer) -> No
     assert len(groups) == 1, "the executor must use the replica's group, not reserve its own"
     assert list(groups[0]["bundles"].values()) == [{"CPU": 2.0}, {"CPU": 1.0}]
     assert len(processes_titled("ray::RayWorker")) == 2
-
-
-def assert_a_closed_stream_aborts(base_url: str, client: openai.OpenAI) -> None:
-    aborted = 'raypage:request_success_total{finished_reason="abort"'
-    aborted_before = metric(base_url, aborted)
-    stream = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=480, temperature=0.0, stream=True
-    )
-    chunks = iter(stream)
-    next(chunks), next(chunks)  # generating now
-    stream.close()
-    # A separate ingress polls the replica's metrics every second.
-    deadline = time.monotonic() + 10
-    while metric(base_url, aborted) == aborted_before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert metric(base_url, aborted) == aborted_before + 1
-    assert metric(base_url, "raypage:num_requests_running") == 0
-    assert metric(base_url, "raypage:kv_cache_usage_perc") == 0
 
 
 @pytest.mark.slow
@@ -386,123 +315,3 @@ def test_killed_worker_fails_the_request_and_serve_replaces_the_replica(
     new_workers = processes_titled("ray::RayWorker")
     assert len(new_workers) == 2 and not {p.pid for p in new_workers} & {p.pid for p in workers}
     assert len(processes_titled("ray::ServeReplica:raypage:LLMServer")) == 1
-
-
-# ---- `raypage serve` on a local cluster of its own: HAProxy and the separate ingress ------------------
-
-
-def assert_salts_isolate_the_cache(client: openai.OpenAI) -> None:
-    """A request's cache_salt crosses the ingress, its router and the replica's handle: only
-    requests with the same salt share cached blocks (usage.prompt_tokens_details shows it)."""
-    prompt = "Tenant isolation behind Serve: a prompt of two KV blocks or more, from this check alone. " * 2
-
-    def cached_tokens(salt: str) -> int:
-        usage = client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=2, temperature=0.0, extra_body={"cache_salt": salt}
-        ).usage
-        return usage.prompt_tokens_details.cached_tokens
-
-    first, other, again = cached_tokens("tenant-a"), cached_tokens("tenant-b"), cached_tokens("tenant-a")
-    assert (first, other) == (0, 0) and again >= 32 and again % 16 == 0
-
-
-def serve_on_its_own_cluster(flags: list[str], tiny_model: Path, log_path: Path) -> RemoteServer:
-    return RemoteServer(
-        [
-            *flags,
-            "--served-model-name",
-            MODEL,
-            "--api-key",
-            API_KEY,
-            "--llm-server-cpus",
-            "1",
-            *engine_flags(tiny_model),
-        ],
-        log_path,
-        command="serve",
-        stop_timeout_s=60,
-    )
-
-
-def one_haproxy(server: RemoteServer, timeout_s: float = 10.0) -> psutil.Process:
-    """The server's one HAProxy process; a reload may leave the previous one a moment longer."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        running = []
-        for process in psutil.Process(server.process.pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if process.name() == "haproxy" and process.status() != psutil.STATUS_ZOMBIE:
-                    running.append(process)
-        if len(running) == 1 or time.monotonic() > deadline:
-            assert len(running) == 1, running
-            return running[0]
-        time.sleep(0.5)
-
-
-def wait_for_log(server: RemoteServer, text: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in server.log_path.read_text(errors="replace"):
-        assert time.monotonic() < deadline, (
-            f"{text!r} not in the log after {timeout_s} s:\n{server.log_tail()}"
-        )
-        time.sleep(0.5)
-
-
-def thread_niceness(process: psutil.Process) -> set[int]:
-    """The niceness of each thread of `process` (niceness is per thread on Linux)."""
-    found = set()
-    for thread in process.threads():
-        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
-            found.add(os.getpriority(os.PRIO_PROCESS, thread.id))
-    return found
-
-
-def serve_processes(server: RemoteServer, title: str) -> list[psutil.Process]:
-    """The processes of the server's own cluster whose title starts with `title`."""
-    return processes_titled(title, psutil.Process(server.process.pid))
-
-
-def assert_the_niceness_asked_for(server: RemoteServer) -> None:
-    """The replica, its engine core and HAProxy run at the niceness asked for (0, the default), not
-    Ray's 15; the cluster's own processes, every thread of them, at --cluster-niceness's 19: set once
-    the app is up, which /health can show before `raypage serve` logs that it serves."""
-    wait_for_log(server, "serving on http://", timeout_s=30)
-    haproxy = one_haproxy(server)
-    (replica,) = serve_processes(server, "ray::ServeReplica:raypage:LLMServer")
-    (core,) = [p for p in replica.children() if "spawn_main" in " ".join(p.cmdline())]
-    assert thread_niceness(replica) == thread_niceness(core) == thread_niceness(haproxy) == {0}
-    own = [psutil.Process(server.process.pid)] + [
-        p
-        for p in psutil.Process(server.process.pid).children(recursive=True)
-        if p.name() in ("gcs_server", "raylet") or " ".join(p.cmdline()).startswith("ray::ServeController")
-    ]
-    assert len(own) == 4
-    assert all(thread_niceness(p) == {19} for p in own)
-
-
-# One cluster of its own for both shapes that need one (each start costs about 25 s on two cores): the
-# separate ingress, behind HAProxy where Serve finds it; the python proxy is the joined cluster's above.
-OWN_CLUSTER_PROXY = "haproxy" if proxy_mode.haproxy_available() else "python"
-
-
-@pytest.mark.slow
-def test_a_separate_ingress_on_its_own_cluster_serves_the_same_texts(
-    tiny_model: Path, expected: dict[str, str], tmp_path: Path
-) -> None:
-    server = serve_on_its_own_cluster(
-        ["--proxy-mode", OWN_CLUSTER_PROXY, "--ingress", "separate", "--enable-prompt-tokens-details"],
-        tiny_model,
-        tmp_path / "serve.log",
-    )
-    try:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
-        assert_serves_greedy_texts(client, expected)
-        assert_salts_isolate_the_cache(client)
-        assert len(serve_processes(server, "ray::ServeReplica:raypage:OpenAIIngress")) == 1
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
-        assert_a_closed_stream_aborts(server.base_url, client)
-        if OWN_CLUSTER_PROXY == "haproxy":
-            assert_the_niceness_asked_for(server)
-    finally:
-        assert server.stop() == 0, server.log_tail()

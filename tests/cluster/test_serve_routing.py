@@ -7,6 +7,7 @@ salted with a request's cache_salt as the replicas salt their block hashes."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import openai
@@ -81,6 +82,14 @@ def hit_rate(url: str) -> float:
     return cached_tokens / prompt_tokens
 
 
+def wait_until_deleted(names: list[str], timeout_s: float = 60.0) -> None:
+    """Until Serve lists none of the apps `names`; fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while left := set(names) & set(serve.status().applications):
+        assert time.monotonic() < deadline, f"apps not deleted after {timeout_s} s: {sorted(left)}"
+        time.sleep(0.2)
+
+
 def test_kv_aware_routing_hits_the_prefix_cache_more_than_pow2(base_url: str, model: Path) -> None:
     # Started together, the apps' replicas overlap their start-ups (most of this test's time); each
     # app's workload still runs alone, one after the other, on caches no other request has touched.
@@ -88,8 +97,10 @@ def test_kv_aware_routing_hits_the_prefix_cache_more_than_pow2(base_url: str, mo
     try:
         rates = {policy: hit_rate(f"{base_url}/{policy}") for policy in POLICIES}
     finally:
+        # Deleted together, their replicas drain and stop at once; then wait until all three are gone.
         for policy in POLICIES:
-            serve.delete(f"{APP}-{policy}")
+            serve.delete(f"{APP}-{policy}", _blocking=False)
+        wait_until_deleted([f"{APP}-{policy}" for policy in POLICIES])
     print("prefix-cache hit rates:", rates)
     # Every request after its group's first could hit: at most 7/8 of 96/104 of the prompt tokens.
     assert rates["kv_aware"] > 0.5
