@@ -9,16 +9,26 @@ kernel backs a region with them only when asked (`madvise(MADV_HUGEPAGE)`), so t
 Best effort: off Linux, for a non-CPU device, or for tensors under one huge page, the tensor is an
 ordinary `torch.zeros`; where `madvise` fails (THP `never`, a kernel without it) it is zeroed memory
 on ordinary pages.
+
+The pages are allocated (and zeroed by the kernel) at their first write, or ahead of it by
+`prefault_in_background`: faulting in a cache of a GiB takes seconds, which a server would
+otherwise spend before it answers its first request.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
 import math
 import mmap
 import sys
+import threading
+from collections.abc import Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14  # <linux/mman.h>
@@ -36,11 +46,12 @@ def _advise_huge_pages(address: int, length: int) -> bool:
     return libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
 
 
-def _populate(address: int, length: int) -> bool:
-    """madvise(MADV_POPULATE_WRITE) over the pages of [address, address + length) (Linux 5.14+)."""
+def _populate(address: int, length: int) -> int:
+    """madvise(MADV_POPULATE_WRITE) over the pages of [address, address + length) (Linux 5.14+): 0,
+    or the errno (EINVAL where the kernel does not know the advice)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(address, length, MADV_POPULATE_WRITE) == 0
+    return 0 if libc.madvise(address, length, MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
 
 
 def zeros_on_huge_pages(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -49,17 +60,40 @@ def zeros_on_huge_pages(*shape: int, dtype: torch.dtype, device: torch.device | 
     nbytes = numel * dtype.itemsize
     if torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(*shape, dtype=dtype, device=device)
-    # A private anonymous mapping of its own (a shared one would be shmem, off THP): zero pages from the kernel, never memory freed by someone else,
-    # so no zeroing pass of our own (it doubled the cost of the page faults, seconds per GiB of huge
-    # pages). The tensor holds the mapping, which is unmapped with the last reference to it.
+    # A private anonymous mapping of its own (a shared one would be shmem, off THP): zero pages from
+    # the kernel, never memory freed by someone else, so no zeroing pass of our own (it doubled the
+    # cost of the page faults). The tensor holds the mapping, which is unmapped with the last
+    # reference to it.
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     tensor = torch.frombuffer(region, dtype=dtype, count=numel).view(shape)
     # Advised before the first touch: the page faults are what allocate the (huge) pages. A region
     # that is not 2 MB-aligned keeps 4 KB pages at its ends, a few MB out of hundreds.
     _advise_huge_pages(tensor.data_ptr(), nbytes)
-    # Faulted in now, by the kernel in one call, rather than at a request's first write into each
-    # page (and an overcommitted host fails here rather than mid-request); touched by hand where
-    # the kernel is too old for that.
-    if not _populate(tensor.data_ptr(), nbytes):
-        tensor.zero_()
     return tensor
+
+
+def prefault_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread:
+    """Fault in the pages of the CPU `tensors` on a daemon thread, as a first write to each would,
+    leaving their contents as they are: other threads may read and write them meanwhile (a page
+    they touch first is simply faulted in by them). Rather than at a request's first write into each
+    page; without blocking the start-up, which would wait seconds per GiB of zeroed pages. Where the
+    kernel cannot (before Linux 5.14), the pages fault in at their first writes."""
+    thread = threading.Thread(target=_prefault, args=(list(tensors),), name="kv-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
+def _prefault(tensors: list[torch.Tensor]) -> None:
+    # ctypes lets go of the GIL during the call: the kernel's work runs beside the Python threads.
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
+            continue
+        error = _populate(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if error == errno.EINVAL:
+            return
+        if error:
+            # ENOMEM on a host without the memory: the allocation itself stands (overcommitted), so
+            # this warns before the first requests that would fault the missing pages.
+            logger.warning(
+                "could not fault in %d MB of KV cache: %s", tensor.nbytes >> 20, errno.errorcode[error]
+            )

@@ -7,7 +7,7 @@ import torch
 
 from engine.outputs import SchedulerOutput
 from kernels.cache_ops import copy_blocks, swap_blocks
-from kernels.huge_pages import zeros_on_huge_pages
+from kernels.huge_pages import prefault_in_background, zeros_on_huge_pages
 
 
 class CacheEngine:
@@ -32,6 +32,8 @@ class CacheEngine:
             )
             for layer, (kv_heads, head_dim) in layer_specs.items()
         }
+        # The engine answers while the pages fault in behind it (seconds per GiB).
+        prefault_in_background(list(self.kv_caches.values()))
         # Empty is safe here: a host block is always written by a swap-out before a swap-in reads it.
         pin = device.type == "cuda"
         self.cpu_caches = {

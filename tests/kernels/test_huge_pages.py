@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.huge_pages import HUGE_PAGE_BYTES, zeros_on_huge_pages
+from kernels.huge_pages import HUGE_PAGE_BYTES, prefault_in_background, zeros_on_huge_pages
 
 
 @pytest.mark.parametrize("elements", [1000, 3 * HUGE_PAGE_BYTES // 2 + 777])  # under one huge page; several
@@ -20,3 +20,15 @@ def test_zeroed_even_where_freed_memory_held_nans(elements):
     assert torch.count_nonzero(cache) == 0
     cache[1, -5:] = 3.0  # writable to the end, past the advised span
     assert cache.sum().item() == 15.0
+
+
+def test_prefault_keeps_what_was_written_before_and_during_it():
+    # Requests may write the cache while its pages are faulted in behind them: nothing written is lost.
+    cache = zeros_on_huge_pages(4, HUGE_PAGE_BYTES, dtype=torch.bfloat16)
+    cache[0, :7] = 2.0
+    thread = prefault_in_background([cache])
+    cache[3, -3:] = 5.0
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert cache.sum().item() == 7 * 2.0 + 3 * 5.0
+    assert torch.count_nonzero(cache) == 10
