@@ -1,5 +1,5 @@
 """The GPU check: one command that, on a bare machine with torch and Triton (the project's other
-dependencies carried as wheels), runs in about 4 minutes on an H200:
+dependencies carried as wheels), runs in a few minutes on one GPU (its time on an H200 is in docs/gpu.md):
 
 1. every GPU attention backend the selector knows ("triton", "flash_attn") against
    kernels/attention/reference.py at real sizes (Llama-3-8B heads, contexts up to 4k, bf16);
@@ -375,7 +375,7 @@ def save_summary(summary: dict[str, Any], out: Path, started: float) -> None:
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
-    """The figures the README records: backends, then tokens/s and HBM share per run."""
+    """The figures docs/gpu.md records: backends, then tokens/s and HBM share per run."""
     lines = [f"GPU check of {summary['date']} on {summary['device']} (torch {summary['torch']})", ""]
     if "pytest_gpu" in summary:
         lines += [

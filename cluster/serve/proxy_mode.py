@@ -31,7 +31,7 @@ def haproxy_available() -> bool:
 
 
 def default_proxy_mode() -> str:
-    """The fastest mode this machine has (measured in the README): HAProxy if installed, else Python."""
+    """The fastest mode this machine has (measured in docs/performance.md): HAProxy if installed, else Python."""
     return HAPROXY if haproxy_available() else PYTHON
 
 
