@@ -32,10 +32,8 @@ from tests.cluster.serve_checks import (
     assert_a_closed_stream_aborts,
     assert_serves_greedy_texts,
     engine_flags,
-    offline_greedy_texts,
     processes_titled,
 )
-from tests.model.tiny_models import write_tiny_model
 
 # Two logical CPUs per extra replica: Serve may start a replacement before the old one is gone.
 CLUSTER_CPUS = 8
@@ -218,16 +216,6 @@ def test_serve_rejects_a_bad_flag_before_starting_anything(capsys: pytest.Captur
 
 
 # ---- end to end on a local Ray cluster ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_model: Path) -> dict[str, str]:
-    return offline_greedy_texts(tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -22,20 +22,8 @@ from tests.cluster.serve_checks import (
     assert_a_closed_stream_aborts,
     assert_serves_greedy_texts,
     engine_flags,
-    offline_greedy_texts,
     processes_titled,
 )
-from tests.model.tiny_models import write_tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_model: Path) -> dict[str, str]:
-    return offline_greedy_texts(tiny_model)
 
 
 def assert_salts_isolate_the_cache(client: openai.OpenAI) -> None:
