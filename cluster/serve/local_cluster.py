@@ -82,9 +82,17 @@ def set_cluster_priorities(cluster_niceness: int, proxy_niceness: int | None, pr
     at one priority; None keeps Ray's 15). Call it once the app runs, so that Serve's actors are there."""
     proxies, own = cluster_processes(proxy_mode)
     if proxy_niceness is not None:
-        for proxy in proxies:
-            if not renice_process(proxy.pid, proxy_niceness):
-                logger.warning("cannot set the HTTP proxy's niceness to %d (no CAP_SYS_NICE)", proxy_niceness)
+        # Twice: HAProxy's manager starts a new HAProxy at each reload, at the manager's niceness. A
+        # reload the app's start set off may start one while the first pass runs, before the manager
+        # is reniced; the second pass, after it, finds that one (later ones inherit the new niceness).
+        for _ in range(2):
+            for proxy in proxies:
+                if not renice_process(proxy.pid, proxy_niceness):
+                    logger.warning(
+                        "cannot set the HTTP proxy's niceness to %d (no CAP_SYS_NICE)", proxy_niceness
+                    )
+                    break
+            proxies, _ = cluster_processes(proxy_mode)
     if cluster_niceness > 0:
         for process in own:
             raise_niceness(process.pid, cluster_niceness)

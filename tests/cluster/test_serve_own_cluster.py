@@ -105,7 +105,10 @@ def assert_the_niceness_asked_for(server: RemoteServer) -> None:
     haproxy = one_haproxy(server)
     (replica,) = serve_processes(server, "ray::ServeReplica:raypage:LLMServer")
     (core,) = [p for p in replica.children() if "spawn_main" in " ".join(p.cmdline())]
-    assert thread_niceness(replica) == thread_niceness(core) == thread_niceness(haproxy) == {0}
+    found = {"replica": replica, "engine core": core, "haproxy": haproxy}
+    assert {name: thread_niceness(process) for name, process in found.items()} == {
+        name: {0} for name in found
+    }
     own = [psutil.Process(server.process.pid)] + [
         p
         for p in psutil.Process(server.process.pid).children(recursive=True)
