@@ -35,6 +35,7 @@ SOURCES = [
         "panel_gemm.cpp",
         "tiled_attention.cpp",
         "decoder_layer.cpp",
+        "token_bitmask.cpp",
     )
 ]
 # Every header in csrc, hashed with the sources that include them: a change to one builds a new library.
