@@ -70,6 +70,16 @@ class PrometheusStatLogger:
                 Counter, "prefix_cache_queries", "Tokens looked up in the prefix cache"
             ),
             "prefix_cache_hits": labeled(Counter, "prefix_cache_hits", "Tokens found in the prefix cache"),
+            "structured_output_requests": labeled(
+                Counter, "structured_output_requests", "Requests under a grammar (structured outputs, tools)"
+            ),
+            "grammar_compiles": labeled(Counter, "grammar_compiles", "Grammars compiled"),
+            "grammar_compile_seconds": labeled(
+                Counter, "grammar_compile_seconds", "Seconds spent compiling grammars (off the step loop)"
+            ),
+            "grammar_cache_hits": labeled(
+                Counter, "grammar_cache_hits", "Requests whose grammar was compiled already (cached)"
+            ),
         }
         self._totals = dict.fromkeys(self.counters, 0)
         self.prompt_tokens = labeled(Counter, "prompt_tokens", "Prefill tokens processed")
@@ -130,7 +140,7 @@ class PrometheusStatLogger:
         self.kv_cache_usage.set(values.get("kv_cache_usage", 0.0))
         with self._lock:  # record() and a scrape may both update the totals
             for key, counter in self.counters.items():
-                total = int(values.get(key, 0))
+                total = values.get(key, 0)
                 # A smaller total means the engine core restarted: count from its new zero.
                 previous = self._totals[key]
                 counter.inc(total - previous if total >= previous else total)

@@ -18,7 +18,12 @@ if TYPE_CHECKING:
     from engine.frontend.llm_engine import LLMEngine
     from engine.frontend.logprobs import Logprob
     from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
-    from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+    from engine.sampling_params import (
+        BeamSearchParams,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 # Each public name -> the module that defines it.
 _EXPORTS = {
@@ -33,6 +38,7 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "RequestOutputKind": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.sampling_params",
 }
 
 __all__ = [
@@ -47,6 +53,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 

@@ -91,6 +91,16 @@ class RunningSequenceDeltas(msgspec.Struct, array_like=True, omit_defaults=True)
     num_computed_tokens: list[int] = msgspec.field(default_factory=list)
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True):
+    """The allowed tokens of a step's rows under a grammar (structured outputs): row i, of `words`
+    int32 words, is `seq_ids[i]`'s mask (bit t % 32 of word t // 32 allows token t). The workers set
+    every logit a row's mask refuses to -inf before any sampling processor runs."""
+
+    seq_ids: list[str]
+    words: int
+    data: bytearray  # [len(seq_ids), words] int32, little-endian (writable: the workers view it)
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """One step's batch: which sequences run, how many tokens each computes, and the block moves
     to make first (swaps out, swaps in, copies, in that order)."""
@@ -103,6 +113,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     blocks_to_swap_out: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (device, device)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def has_block_moves(self) -> bool:
@@ -137,6 +148,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Blocks the running sequences' tables point to, shared blocks counted once per sequence: what
     # they would take without sharing (the physical count is kv_slots_allocated / block_size).
     kv_logical_blocks: int = 0
+    # Structured outputs, running totals: requests under a grammar, grammars compiled (and the
+    # seconds that took, off the step loop), and requests whose grammar was already compiled.
+    structured_output_requests: int = 0
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_hits: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -1,4 +1,5 @@
-"""SamplingParams and BeamSearchParams: how a request picks its tokens and when it stops.
+"""SamplingParams, BeamSearchParams and StructuredOutputsParams: how a request picks its tokens, what
+shape its output must take, and when it stops.
 
 vLLM's names, defaults and messages. Msgspec Structs, so that they cross process boundaries inside
 `EngineCoreRequest` without pickle. Every check runs at construction and raises `ValueError`
@@ -26,6 +27,52 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """The shape the output must take (vLLM's names): exactly one of a JSON schema, a regular
+    expression, a choice of strings, a grammar (Lark, or llama.cpp's GBNF), or any JSON object.
+
+    The engine enforces it token by token: only tokens that keep the output inside the constraint
+    can be sampled, and the end of sequence only where the constraint may end. JSON is generated
+    compact (no whitespace between tokens of the syntax). Whether a schema, regex or grammar is
+    valid (and enforceable) is checked by the input processor, before the request is scheduled.
+    """
+
+    json: str | dict | None = None  # a JSON schema, as an object or as its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = self.constraint_kinds
+        if not given:
+            raise ValueError(
+                "structured_outputs: you must use one kind of constraint (json, regex, choice, grammar "
+                "or json_object), but none is specified."
+            )
+        if len(given) > 1:
+            raise ValueError(
+                "structured_outputs: you can only use one kind of constraint, but several are "
+                f"specified: {', '.join(given)}."
+            )
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
+
+    @property
+    def constraint_kinds(self) -> list[str]:
+        """The names of the constraints given (valid params have exactly one)."""
+        values = {
+            "json": self.json,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object or None,
+        }
+        return [name for name, value in values.items() if value is not None]
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampling and stopping settings of one request (vLLM's fields and defaults)."""
 
@@ -51,6 +98,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -145,6 +193,8 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    # raypage's extension: the beams stay within a constraint (each beam's tokens are masked).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.beam_width < 1:

@@ -18,6 +18,7 @@ from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, served_model_names
 from cluster.openai.drain import DrainState
 from cluster.openai.engine_watching_server import EngineWatchingServer
+from cluster.openai.tool_calling import AUTO_TOOL_PARSERS
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
 from engine.frontend.async_llm_engine import AsyncLLMEngine
@@ -81,6 +82,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="report the prompt tokens the prefix cache held in usage.prompt_tokens_details.cached_tokens",
     )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto": the model decides whether to call tools, and --tool-call-parser '
+        "finds the calls in its output (needs --tool-call-parser)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=AUTO_TOOL_PARSERS,
+        help='the format of the model\'s own tool calls, for tool_choice "auto"',
+    )
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -97,6 +109,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         log_stats_interval=args.log_stats_interval,
         request_timeout_s=args.request_timeout,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -39,6 +39,7 @@ from cluster.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from cluster.openai.tool_calling import check_tool_settings
 from engine.models.model_files import PACKAGED_GGUF
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ class ServerSettings:
     request_timeout_s: float | None = None
     # Usage's prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details).
     enable_prompt_tokens_details: bool = False
+    # tool_choice "auto": the model's own tool calls, found in its text by this parser (vLLM's
+    # --enable-auto-tool-choice --tool-call-parser).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -69,6 +74,7 @@ class ServerSettings:
             raise ValueError(
                 f"request_timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.request_timeout_s}"
             )
+        check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
 
 
 def served_model_names(requested: str | list[str] | None, model: str | None) -> list[str]:
@@ -117,6 +123,7 @@ def build_app(
         [ServedModel(engine, settings.served_model_names), *other_models],
         timeout_s,
         settings.enable_prompt_tokens_details,
+        settings.tool_call_parser if settings.enable_auto_tool_choice else None,
     )
 
     @contextlib.asynccontextmanager

@@ -38,13 +38,19 @@ class ModelRouter:
     """Picks the handlers of the model a request names."""
 
     def __init__(
-        self, models: Sequence[ServedModel], default_timeout_s: float | None, prompt_tokens_details: bool
+        self,
+        models: Sequence[ServedModel],
+        default_timeout_s: float | None,
+        prompt_tokens_details: bool,
+        auto_tool_parser: str | None = None,
     ) -> None:
         self.handlers = [
             ModelHandlers(
                 model,
                 OpenAIServingCompletion(model.engine, model.names, default_timeout_s, prompt_tokens_details),
-                OpenAIServingChat(model.engine, model.names, default_timeout_s, prompt_tokens_details),
+                OpenAIServingChat(
+                    model.engine, model.names, default_timeout_s, prompt_tokens_details, auto_tool_parser
+                ),
                 OpenAIServingTokenization(model.engine, model.names),
             )
             for model in models

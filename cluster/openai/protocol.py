@@ -2,8 +2,7 @@
 
 Requests accept fields this server does not know and ignore them (the route logs which), as vLLM
 does: clients of newer API versions send fields that change nothing here. Fields that would change
-the answer but are not implemented (tools, response formats, suffix) are refused with a 400 instead
-of being ignored silently.
+the answer but are not implemented (suffix) are refused with a 400 instead of being ignored silently.
 
 Every value is range-checked before it reaches the engine: strings must be valid Unicode, floats
 finite, integers within 64 bits (the engine's wire format), and the fields below carry vLLM's limits
@@ -12,13 +11,15 @@ finite, integers within 64 bits (the engine's wire format), and the fields below
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from cluster.openai.input_checks import check_unicode
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.structured.manager import check_structured_outputs
 
 # JSON has no -inf: vLLM reports impossible tokens with this floor, and so do we.
 LOGPROB_FLOOR = -9999.0
@@ -56,6 +57,67 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is always how it is enforced)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: plain text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema must be given exactly when type is "json_schema"')
+        return self
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The constraint of this format; a ValueError naming the field when its schema is invalid
+        or cannot be enforced."""
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            # A named schema without a schema (OpenAI allows it) is any JSON object.
+            params = StructuredOutputsParams(json=self.json_schema.json_schema or {"type": "object"})
+            try:
+                check_structured_outputs(params)
+            except ValueError as exc:
+                raise ValueError(
+                    str(exc).replace("structured_outputs.json", "response_format.json_schema.schema", 1)
+                ) from None
+            return params
+        return None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(
+            json=self.json_schema,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            json_object=self.json_object,
+        )
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions: OpenAI's, then vLLM's extras."""
 
@@ -88,6 +150,9 @@ class SamplingRequest(OpenAIBaseModel):
     # raypage's extension: seconds after which the request is aborted (a 504, or an error event in a
     # stream); None: the server's --request-timeout, if any.
     timeout: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)] | None = None
+    # The shape of the output, enforced by the engine: OpenAI's field, or vLLM's.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -103,8 +168,23 @@ class SamplingRequest(OpenAIBaseModel):
             raise ValueError("stream_options can only be given when stream is true")
         return self
 
+    def requested_structure(self) -> StructuredOutputsParams | None:
+        """The constraint `response_format` or `structured_outputs` asks for (at most one of them);
+        ValueError naming the field when it is not a valid one."""
+        from_format = self.response_format.structured_outputs() if self.response_format else None
+        if from_format is not None and self.structured_outputs is not None:
+            raise ValueError("response_format and structured_outputs cannot both be given: use one of them")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.params()
+        return from_format
+
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, best_of: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        best_of: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams; raises ValueError naming a field with a bad value.
 
@@ -140,6 +220,7 @@ class SamplingRequest(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=logit_bias or None,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs,
             # None means "the default": leave SamplingParams' own.
             **{name: value for name, value in optional.items() if value is not None},
         )
@@ -185,22 +266,83 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """A function call: its name and its arguments, a JSON object as text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A tool call of an assistant message (in a reply, or in a conversation sent back)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     """One message of a conversation, passed to the chat template with any extra keys it has."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it: content parts joined into one string."""
+        """The message as the chat template sees it: content parts joined into one string, and tool
+        calls with their arguments as objects (Hugging Face templates render them with `tojson`)."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         message = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type, "function": call_template_dict(call.function)}
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def call_template_dict(function: FunctionCall) -> dict[str, Any]:
+    """A call as chat templates take it: arguments parsed (as sent when they are not JSON)."""
+    try:
+        arguments: Any = json.loads(function.arguments)
+    except json.JSONDecodeError:
+        arguments = function.arguments
+    return {"name": function.name, "arguments": arguments}
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name, what it does, and the JSON schema of its arguments."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function the reply must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -211,9 +353,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Int64 | None = None  # deprecated by OpenAI in favor of max_completion_tokens
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM's extras for the chat template.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -221,10 +363,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _check_supported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than text is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -355,10 +493,11 @@ class ChatChoiceLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant's reply."""
+    """The assistant's reply: text, tool calls, or both."""
 
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(ChoiceBase):
@@ -375,11 +514,37 @@ class ChatCompletionResponse(ResponseBase[ChatCompletionChoice]):
     usage: UsageInfo  # always, unlike a stream chunk's
 
 
+class DeltaFunctionCall(BaseModel):
+    """A piece of a streamed function call: the name on its first piece, then argument fragments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of tool call number `index` of a streamed message; its first piece carries the id."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class DeltaMessage(BaseModel):
-    """What a stream chunk adds to a message: the role on a choice's first chunk, then content."""
+    """What a stream chunk adds to a message: the role on a choice's first chunk, then content or
+    pieces of tool calls."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_absent(self, handler: Any) -> dict[str, Any]:

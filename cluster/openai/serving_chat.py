@@ -1,14 +1,18 @@
 """POST /v1/chat/completions: the messages rendered with the tokenizer's chat template, then one
-engine request."""
+engine request; its output as text, or as tool calls (cluster/openai/tool_calling.py)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from http import HTTPStatus
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from cluster.openai.engine_client import EngineClient
+from cluster.openai.errors import OpenAIError
 from cluster.openai.protocol import (
     LOGPROB_FLOOR,
     ChatChoiceLogprobs,
@@ -20,11 +24,18 @@ from cluster.openai.protocol import (
     ChatLogprobContent,
     ChatResponseMessage,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
 from cluster.openai.serving_engine import OpenAIServing, ServingCall, raise_on_error, random_id
+from cluster.openai.tool_calling import ToolPlan, plan_tools
+from cluster.openai.tool_parsers import StreamDelta, ToolCallStream, ToolParser
 from engine.frontend.logprobs import Logprob
 from engine.outputs import CompletionOutput
+from engine.sampling_params import StructuredOutputsParams
 
 ROLE = "assistant"
 
@@ -52,32 +63,104 @@ def chat_logprobs(seq: CompletionOutput, num_top: int) -> ChatChoiceLogprobs:
     return ChatChoiceLogprobs(content=content)
 
 
+def _finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended (not cut short) with tool calls."""
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
+
+
+def reply_message(text: str, parser: ToolParser | None) -> ChatResponseMessage:
+    """The assistant's message for a whole output: its text, or the calls the parser finds in it."""
+    if parser is None:
+        return ChatResponseMessage(role=ROLE, content=text)
+    extracted = parser.extract(text)
+    calls = [
+        ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+        for call in extracted.calls
+    ]
+    return ChatResponseMessage(role=ROLE, content=extracted.content, tool_calls=calls)
+
+
+def delta_message(delta: StreamDelta) -> DeltaMessage:
+    """A stream's step as OpenAI's delta: content, and pieces of tool calls (each call's first
+    piece with its id, type and name)."""
+    calls = [
+        DeltaToolCall(
+            index=piece.index,
+            id=piece.id,
+            type="function" if piece.id is not None else None,
+            function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments),
+        )
+        for piece in delta.tool_calls
+    ]
+    return DeltaMessage(content=delta.content or None, tool_calls=calls or None)
+
+
+def _feed(stream: ToolCallStream, text: str, finished: bool) -> StreamDelta:
+    """What a choice's stream sends for its next text (and, at its end, what it held back)."""
+    delta = stream.feed(text)
+    if finished:
+        end = stream.finish()
+        delta = StreamDelta(delta.content + end.content, delta.tool_calls + end.tool_calls)
+    return delta
+
+
 class OpenAIServingChat(OpenAIServing):
     """The chat completions handler."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        served_model_names: Sequence[str],
+        default_timeout_s: float | None = None,
+        prompt_tokens_details: bool = False,
+        auto_tool_parser: str | None = None,
+    ) -> None:
+        super().__init__(engine, served_model_names, default_timeout_s, prompt_tokens_details)
+        # The --tool-call-parser of tool_choice "auto"; None without --enable-auto-tool-choice.
+        self.auto_tool_parser = auto_tool_parser
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response | None:
         model = self.resolve_model(request.model)
         await self.check_engine()
+        tools = plan_tools(request, self.auto_tool_parser)
         prompt = self.render_chat(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template_kwargs,
+            tools=tools.template_tools,
         )
         params = request.sampling_params(
             self.max_tokens(len(prompt.token_ids), request.requested_max_tokens),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=None,
+            structured_outputs=self._constraint(request, tools),
         )
+        if tools.parser is not None and tools.parser.needs_special_tokens:
+            # The format's markers are special tokens: the text must keep them to be parsed.
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
         self.validate(prompt, params, request.cache_salt)
         request_id = random_id("chatcmpl")
         outputs = self.generate(
             request_id, [prompt], [params], request.priority, request.timeout, request.cache_salt
         )
-        call = ServingCall(request, model, request_id, [prompt], outputs)
+        call = ServingCall(request, model, request_id, [prompt], outputs, tools.parser)
         return await self.respond(call, raw_request, self._stream, self._collect)
+
+    @staticmethod
+    def _constraint(request: ChatCompletionRequest, tools: ToolPlan) -> StructuredOutputsParams | None:
+        """The one constraint on the output: the tool choice's, or the requested structure."""
+        structure = request.requested_structure()
+        if tools.structured_outputs is not None and structure is not None:
+            raise OpenAIError(
+                HTTPStatus.BAD_REQUEST,
+                "tool_choice forces tool calls, which response_format or structured_outputs cannot "
+                "constrain as well: use one of them",
+                "tool_choice",
+            )
+        return tools.structured_outputs or structure
 
     async def _collect(self, call: ServingCall[ChatCompletionRequest]) -> ChatCompletionResponse:
         request = call.request
@@ -87,16 +170,18 @@ class OpenAIServingChat(OpenAIServing):
                 raise_on_error(output)
                 final = output
         assert final is not None, "the engine ended a request without a final output"
-        choices = [
-            ChatCompletionChoice(
-                index=seq.index,
-                message=ChatResponseMessage(role=ROLE, content=seq.text),
-                logprobs=chat_logprobs(seq, request.top_logprobs or 0) if request.logprobs else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
+        choices = []
+        for seq in sorted(final.outputs, key=lambda seq: seq.index):
+            message = reply_message(seq.text, call.tool_parser)
+            choices.append(
+                ChatCompletionChoice(
+                    index=seq.index,
+                    message=message,
+                    logprobs=chat_logprobs(seq, request.top_logprobs or 0) if request.logprobs else None,
+                    finish_reason=_finish_reason(seq.finish_reason, bool(message.tool_calls)),
+                    stop_reason=seq.stop_reason,
+                )
             )
-            for seq in sorted(final.outputs, key=lambda seq: seq.index)
-        ]
         num_generated = sum(len(seq.token_ids) for seq in final.outputs)
         return ChatCompletionResponse(
             id=call.request_id,
@@ -108,8 +193,8 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(
         self, call: ServingCall[ChatCompletionRequest]
     ) -> AsyncIterator[ChatCompletionStreamResponse]:
-        """The role of every choice first, then a chunk per content delta, each choice's last one
-        with its finish reason; then the usage."""
+        """The role of every choice first, then a chunk per content or tool-call delta, each choice's
+        last one with its finish reason; then the usage."""
 
         request = call.request
 
@@ -118,6 +203,9 @@ class OpenAIServingChat(OpenAIServing):
 
         for index in range(request.n):
             yield chunk(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role=ROLE, content="")))
+        parser = call.tool_parser
+        tool_streams = {index: parser.stream() for index in range(request.n)} if parser else {}
+        called_tools: set[int] = set()
         finished: set[int] = set()
         num_generated = num_cached = 0
         async with contextlib.aclosing(call.outputs):
@@ -128,19 +216,30 @@ class OpenAIServingChat(OpenAIServing):
                     if seq.index in finished:
                         continue
                     num_generated += len(seq.token_ids)
+                    if seq.index in tool_streams:
+                        step = _feed(tool_streams[seq.index], seq.text, seq.finish_reason is not None)
+                    else:
+                        step = StreamDelta(content=seq.text)
+                    if step.tool_calls:
+                        called_tools.add(seq.index)
                     # Tokens that completed no text yet (part of a character) still have logprobs.
-                    if not (seq.text or seq.finish_reason or (request.logprobs and seq.token_ids)):
+                    if not (
+                        step.content
+                        or step.tool_calls
+                        or seq.finish_reason
+                        or (request.logprobs and seq.token_ids)
+                    ):
                         continue
                     if seq.finish_reason is not None:
                         finished.add(seq.index)
                     yield chunk(
                         ChatCompletionStreamChoice(
                             index=seq.index,
-                            delta=DeltaMessage(content=seq.text or None),
+                            delta=delta_message(step),
                             logprobs=chat_logprobs(seq, request.top_logprobs or 0)
                             if request.logprobs
                             else None,
-                            finish_reason=seq.finish_reason,
+                            finish_reason=_finish_reason(seq.finish_reason, seq.index in called_tools),
                             stop_reason=seq.stop_reason,
                         )
                     )

@@ -46,6 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.resolve_model(request.model)
         await self.check_engine()
         prompts = self._tokenize(request)
+        structure = request.requested_structure()
         params = []
         for prompt in prompts:
             prompt_params = request.sampling_params(
@@ -54,6 +55,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 # Echoed prompts come with their own logprobs, as in OpenAI's legacy API.
                 prompt_logprobs=request.logprobs if request.echo else None,
                 best_of=request.best_of,
+                structured_outputs=structure,
             )
             self.validate(prompt, prompt_params, request.cache_salt)
             params.append(prompt_params)

@@ -26,6 +26,7 @@ from cluster.openai.streaming import (
     sse_stream,
     within_deadline,
 )
+from cluster.openai.tool_parsers import ToolParser
 from engine.frontend.tokenizer import render_chat_prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -59,6 +60,8 @@ class ServingCall(Generic[RequestT]):
     request_id: str
     prompts: list[EnginePrompt]
     outputs: AsyncIterator[tuple[int, RequestOutput]]
+    # Finds tool calls in a chat output (cluster/openai/tool_calling.py); None for text replies.
+    tool_parser: ToolParser | None = None
 
 
 def random_id(prefix: str) -> str:
@@ -137,8 +140,10 @@ class OpenAIServing:
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> EnginePrompt:
-        """Messages rendered with the tokenizer's chat template, then tokenized; 400 if the template fails."""
+        """Messages (and tools) rendered with the tokenizer's chat template, then tokenized; 400 if
+        the template fails."""
         try:
             prompt = render_chat_prompt(
                 self.tokenizer,
@@ -147,6 +152,7 @@ class OpenAIServing:
                 continue_final_message=continue_final_message,
                 template_kwargs=template_kwargs,
                 add_special_tokens=add_special_tokens,
+                tools=tools,
             )
         except jinja2.TemplateError as exc:
             raise OpenAIError(

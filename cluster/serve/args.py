@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray.serve.config import AutoscalingConfig
 
 from cluster.openai.app import ServerSettings, served_model_names
+from cluster.openai.tool_calling import AUTO_TOOL_PARSERS
 from engine.config import EngineConfig, checked_flat_settings, describe_validation_error
 
 ENGINE_FILE_KEY = "config"
@@ -100,6 +101,16 @@ class ServeOptions(BaseModel):
     enable_access_log: bool = Field(True, description="Log every HTTP request in the ingress replica's log")
     enable_prompt_tokens_details: bool = Field(
         False, description="Report the prompt tokens the prefix cache held in usage.prompt_tokens_details"
+    )
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description='Allow tool_choice "auto": the model decides whether to call tools, and '
+        "tool_call_parser finds the calls in its output",
+    )
+    tool_call_parser: str | None = Field(
+        None,
+        description='The format of the model\'s own tool calls, for tool_choice "auto": '
+        + ", ".join(AUTO_TOOL_PARSERS),
     )
     ingress: Literal["engine", "separate"] | None = Field(
         None,
@@ -224,6 +235,8 @@ def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
         log_stats_interval=options.log_stats_interval,
         request_timeout_s=options.request_timeout_s,
         enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+        enable_auto_tool_choice=options.enable_auto_tool_choice,
+        tool_call_parser=options.tool_call_parser,
     )
     return ServeAppSettings(engine_settings, engine_config, server, options)
 

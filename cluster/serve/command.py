@@ -174,6 +174,8 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "drain_timeout_s": args.drain_timeout_s,
         "enable_access_log": not args.disable_access_log,
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "tool_call_parser": args.tool_call_parser,
         **({"ingress": args.ingress} if args.ingress else {}),
         **({"routing_policy": args.routing_policy} if args.routing_policy else {}),
         "routing_load_margin": args.routing_load_margin,

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.config import ResolvedEngineConfig
 from engine.outputs import EngineCoreRequest
 from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.structured.manager import check_structured_outputs
 
 # A string, {"prompt": str} or {"prompt_token_ids": [int, ...]} (optionally with "prompt" for display);
 # either mapping may carry "cache_salt" (vLLM's TextPrompt / TokensPrompt key).
@@ -108,7 +109,10 @@ class InputProcessor:
             # Beams are picked from each step's log-probabilities; the per-token sampling is greedy.
             beam_search = params
             params = SamplingParams(
-                temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos
+                temperature=0.0,
+                max_tokens=params.max_tokens,
+                ignore_eos=params.ignore_eos,
+                structured_outputs=params.structured_outputs,
             )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -150,6 +154,10 @@ class InputProcessor:
             raise ValueError(
                 f"logit_bias: token id {outside[0]} is out of vocabulary (valid ids are 0 to {self.vocab_size - 1})"
             )
+        if params.structured_outputs is not None:
+            # An invalid schema, regex or grammar (or one the backend cannot enforce) fails here,
+            # before the request is scheduled, naming the field.
+            check_structured_outputs(params.structured_outputs)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

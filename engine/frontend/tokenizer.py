@@ -1,61 +1,16 @@
-"""Loading the tokenizer from local files: a Hugging Face folder, or the GGUF header itself.
-
-Building a fast tokenizer from a GGUF vocabulary takes seconds, so the result is saved once under
-$XDG_CACHE_HOME/raypage/tokenizers (keyed by the file's path, size and modification time) and
-loaded from there afterwards.
-"""
+"""The front end's tokenizer: loaded from local files (engine/models/tokenizer_files.py), and the
+chat template that turns a conversation into a prompt."""
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Any
 
-import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from engine.models.model_files import ModelSource
+from engine.frontend.chat_tools import tools_in_text
+from engine.models.tokenizer_files import load_tokenizer
 
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "raypage" / "tokenizers"
-
-
-def _gguf_cache_dir(path: Path) -> Path:
-    stat = path.stat()
-    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
-    return _cache_root() / hashlib.blake2b(key.encode(), digest_size=12).hexdigest()
-
-
-def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    cached = _gguf_cache_dir(path)
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cached)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=cached.parent))
-    try:
-        tokenizer.save_pretrained(staging)
-        staging.rename(cached)  # atomic: a concurrent loader sees all of it or nothing
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)  # another process won the race, or the disk is read-only
-    return tokenizer
-
-
-def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
-    if tokenizer is not None:
-        path = Path(tokenizer).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"tokenizer {tokenizer!r}: no such folder (tokenizers are read from local files only)"
-            )
-        return AutoTokenizer.from_pretrained(path)
-    if source.format == "gguf":
-        return _load_gguf_tokenizer(source.path)
-    return AutoTokenizer.from_pretrained(source.path)
+__all__ = ["load_tokenizer", "render_chat_prompt"]
 
 
 def render_chat_prompt(
@@ -66,12 +21,15 @@ def render_chat_prompt(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A conversation in the model's chat template, as a prompt with its text and token ids.
 
     `template_kwargs` are further template variables (a server's client may send them). The
-    template writes the special tokens itself, so by default tokenizing adds none. Raises
-    jinja2.TemplateError when the template fails on the conversation.
+    template writes the special tokens itself, so by default tokenizing adds none. `tools` (OpenAI's
+    tool definitions) go to the template; one that ignores them gets them, and the conversation's
+    tool calls, as text instead (engine/frontend/chat_tools.py). Raises jinja2.TemplateError when
+    the template fails on the conversation.
     """
     options = {
         **(template_kwargs or {}),
@@ -83,6 +41,14 @@ def render_chat_prompt(
     if chat_template is not None:
         options["chat_template"] = chat_template
     text = tokenizer.apply_chat_template(conversation, **options)
+    if tools:
+        with_tools = tokenizer.apply_chat_template(conversation, tools=tools, **options)
+        # A template that renders tools changes the prompt for them; one that does not gets them as text.
+        text = (
+            with_tools
+            if with_tools != text
+            else tokenizer.apply_chat_template(tools_in_text(conversation, tools), **options)
+        )
     return {
         "prompt": text,
         "prompt_token_ids": tokenizer(text, add_special_tokens=add_special_tokens).input_ids,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,8 +20,12 @@ from engine.outputs import (
 )
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
+from engine.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run waits for a grammar being compiled (new inputs wait as long).
+GRAMMAR_WAIT_S = 0.005
 
 
 class EngineCore:
@@ -49,9 +54,14 @@ class EngineCore:
             collections.deque()
         )
         self.max_batches_in_flight = config.parallel.pipeline_parallel_size
+        self.structured_outputs = StructuredOutputManager(config.model)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        scheduled = Request.from_engine_core_request(request)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            scheduled.grammar = self.structured_outputs.grammar_for(constraint, request.eos_token_id)
+        self.scheduler.add_request(scheduled)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -74,26 +84,40 @@ class EngineCore:
             scheduled = self.scheduler.schedule()
             finished_outputs = scheduled.finished_outputs
             scheduler_output = scheduled.scheduler_output
+            scheduler_output.grammar_bitmask = self.structured_outputs.bitmask(
+                self.scheduler.grammar_rows(scheduler_output)
+            )
             if _has_work(scheduler_output):
                 self.batch_queue.append(
                     (scheduler_output, self.executor.execute_model_async(scheduler_output))
                 )
                 if len(self.batch_queue) < self.max_batches_in_flight:
-                    return EngineCoreOutputs(
-                        outputs=finished_outputs, scheduler_stats=self.scheduler.make_stats()
-                    )
+                    return EngineCoreOutputs(outputs=finished_outputs, scheduler_stats=self.make_stats())
         if not self.batch_queue:
-            return EngineCoreOutputs(outputs=finished_outputs, scheduler_stats=self.scheduler.make_stats())
+            self._wait_for_grammars()
+            return EngineCoreOutputs(outputs=finished_outputs, scheduler_stats=self.make_stats())
         scheduler_output, wait_for_output = self.batch_queue.popleft()
         result = self.scheduler.update_from_output(scheduler_output, wait_for_output())
         result.outputs = finished_outputs + result.outputs
+        if result.scheduler_stats is not None:
+            self.structured_outputs.add_stats(result.scheduler_stats)
         return result
+
+    def make_stats(self) -> SchedulerStats:
+        return self.structured_outputs.add_stats(self.scheduler.make_stats())
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing ran: if requests wait for their grammars, wait a moment for one to compile
+        rather than return at once (the step loop would spin, sending empty outputs)."""
+        compiling = [r.grammar for r in self.scheduler.waiting if r.waits_for_grammar]
+        if compiling:
+            concurrent.futures.wait(compiling, GRAMMAR_WAIT_S, concurrent.futures.FIRST_COMPLETED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        return self.make_stats()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while any request holds blocks."""
@@ -112,6 +136,7 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.executor.shutdown()
 
 

@@ -12,6 +12,7 @@ import enum
 from engine.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.sched.beam_search import Hypothesis
+from engine.sched.grammar import GrammarMatcher, PendingGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -87,6 +88,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
+        # The sequence's place in its request's grammar (structured outputs); set once it is compiled.
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def request_id(self) -> str:
@@ -113,25 +116,42 @@ class Sequence:
         self.all_token_ids.append(token_id)
         if logprob is not None:
             self.cumulative_logprob += logprob
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
 
     def check_stop(self, max_seq_len: int) -> SequenceStatus | None:
         """How the sequence ends after its latest token, if it does (vLLM's order of checks)."""
         request = self.request
         params = request.sampling_params
         at_length_limit = self.num_tokens >= max_seq_len
+        # A complete grammar ends the sequence whatever else holds: nothing more may be generated.
+        grammar_end = self._grammar_end()
         if self.num_output_tokens < params.min_tokens:
-            # min_tokens holds back every stop but the hard length limit.
-            return SequenceStatus.FINISHED_LENGTH_CAPPED if at_length_limit else None
+            # min_tokens holds back every other stop but the hard length limit.
+            return grammar_end or (SequenceStatus.FINISHED_LENGTH_CAPPED if at_length_limit else None)
         token_id = self.output_token_ids[-1]
         if token_id == request.eos_token_id and not params.ignore_eos:
             return SequenceStatus.FINISHED_STOPPED
         if token_id in params.all_stop_token_ids:
             self.stop_reason = token_id
             return SequenceStatus.FINISHED_STOPPED
+        if grammar_end is not None:
+            return grammar_end
         # An EOS or stop token on the last position still counts as a stop.
         if at_length_limit or (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens):
             return SequenceStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def _grammar_end(self) -> SequenceStatus | None:
+        """Stopped where the grammar is complete; aborted, with the request's error set, where the
+        grammar library failed (a limit it hit), since the output could no longer be held to it."""
+        if self.grammar is None or not self.grammar.is_terminated():
+            return None
+        error = self.grammar.error()
+        if error:
+            self.request.error = f"structured output: the grammar could not go on: {error}"
+            return SequenceStatus.FINISHED_ABORTED
+        return SequenceStatus.FINISHED_STOPPED
 
     def make_output(
         self,
@@ -160,6 +180,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     def __repr__(self) -> str:
@@ -198,6 +219,8 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.error: str | None = None
+        # The request's grammar while it compiles, and after (structured outputs); None without one.
+        self.grammar: PendingGrammar | None = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
@@ -215,6 +238,23 @@ class Request:
     @property
     def live_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs if not seq.is_finished]
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """Its grammar is still being compiled: it cannot be scheduled yet (others may go first)."""
+        return self.grammar is not None and not self.grammar.done()
+
+    def start_grammar(self) -> str | None:
+        """Give the first sequence its matcher once the grammar is compiled (before it samples, and
+        before forks copy it); the error if the grammar could not be compiled."""
+        first = self.seqs[0]
+        if self.grammar is None or first.grammar is not None:
+            return None
+        error = self.grammar.exception()
+        if error is not None:
+            return f"structured output: the grammar could not be compiled: {error}"
+        first.grammar = self.grammar.result().new_matcher()
+        return None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,6 +31,7 @@ from engine.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from engine.sched.grammar import GrammarMatcher
 from engine.sched.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, cdiv
 from engine.sched.output_builder import OutputBuilder, SampledBySequence
 from engine.sched.request import Request, RequestStatus, SequenceStatus
@@ -166,6 +167,16 @@ class Scheduler:
                 self._finish_request(request, RequestStatus.FINISHED_STOPPED)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
 
+    def grammar_rows(self, scheduler_output: SchedulerOutput) -> list[tuple[str, GrammarMatcher]]:
+        """(seq_id, matcher) of every scheduled sequence under a grammar that samples this step
+        (its step reaches its last known token): the rows the step's token mask covers."""
+        rows = []
+        for seq_id in scheduler_output.num_scheduled_tokens:
+            seq = self.groups.seqs.get(seq_id)
+            if seq is not None and seq.grammar is not None and seq.num_computed_tokens == seq.num_tokens:
+                rows.append((seq_id, seq.grammar))
+        return rows
+
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         running_seqs = [seq for request in self.running for seq in request.live_seqs]
@@ -267,13 +278,23 @@ class Scheduler:
         return sum(request.max_concurrent_seqs for request in self.running)
 
     def _admit_waiting(self, plan: StepPlan) -> None:
-        while self.waiting and plan.budget > 0:
-            request = self.waiting[0]
+        index = 0  # requests before it wait for their grammars
+        while index < len(self.waiting) and plan.budget > 0:
+            request = self.waiting[index]
+            if request.waits_for_grammar:
+                index += 1  # compiling off the step loop: those behind it may go first (as in vLLM)
+                continue
             error = self._never_fits(request)
             if error is not None:
-                self.waiting.pop(0)
+                self.waiting.pop(index)
                 logger.warning("request %s ignored: %s", request.request_id, error)
                 self._cap_request(request, error, plan, RequestStatus.FINISHED_IGNORED)
+                continue
+            error = request.start_grammar()
+            if error is not None:
+                self.waiting.pop(index)
+                logger.warning("request %s failed: %s", request.request_id, error)
+                self._cap_request(request, error, plan, RequestStatus.FINISHED_ABORTED)
                 continue
             if self._rows_in_use() + request.max_concurrent_seqs > self.max_num_seqs:
                 break
@@ -283,7 +304,7 @@ class Scheduler:
                     self._cap_request(request, "its sequences do not fit the whole KV cache", plan)
                     continue
                 break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             self._start(request)
 
     def _never_fits(self, request: Request) -> str | None:

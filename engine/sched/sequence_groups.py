@@ -8,6 +8,8 @@ write by the KV cache manager). Finishing a sequence frees its blocks at once.
 
 from __future__ import annotations
 
+import math
+
 from engine.outputs import EngineCoreOutput, LogprobsLists
 from engine.sched.beam_search import BeamSearchState
 from engine.sched.kv_cache_manager import KVCacheManager
@@ -98,7 +100,15 @@ class SequenceGroups:
         step = state.step(
             [seq.output_token_ids for seq in beams],
             [seq.cumulative_logprob for seq in beams],
-            [list(zip(o.token_ids[0][1:], o.logprobs[0][1:], strict=True)) for o in options],
+            # A grammar's mask leaves some candidates impossible (-inf): they are no continuations.
+            [
+                [
+                    (token, logprob)
+                    for token, logprob in zip(o.token_ids[0][1:], o.logprobs[0][1:], strict=True)
+                    if logprob != -math.inf
+                ]
+                for o in options
+            ],
         )
         if step.done:
             for seq in beams:

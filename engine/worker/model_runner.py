@@ -26,6 +26,7 @@ from engine.outputs import (
     RunningSequenceDeltas,
     SchedulerOutput,
 )
+from engine.sample.grammar_mask import apply_grammar_bitmask
 from engine.sample.metadata import SamplingMetadata, build_sampling_metadata
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs
 from engine.sampling_params import SamplingParams
@@ -102,6 +103,9 @@ class ModelRunner:
             )
             output.prompt_logprobs = self._prompt_logprobs(prompt_rows, logits[len(states) :])
         if states:
+            if scheduler_output.grammar_bitmask is not None:
+                row_seq_ids = [state.seq_id for state in states]
+                apply_grammar_bitmask(logits[: len(states)], row_seq_ids, scheduler_output.grammar_bitmask)
             sampled = self.sampler(logits[: len(states)], self._sampling_metadata(states))
             output.seq_ids = [state.seq_id for state in states]
             output.sampled_token_ids = [[token] for token in sampled.sampled_token_ids.tolist()]
