@@ -15,7 +15,6 @@ tends to emit newlines until max_tokens).
 from __future__ import annotations
 
 import json
-import os
 
 import llguidance
 import llguidance.numpy
@@ -89,8 +88,6 @@ class GuidanceBackend(GrammarBackend):
             tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
         self.tokenizer = tokenizer
         self.words = (tokenizer.vocab_size + 31) // 32
-        # The masks of a batch are computed on these threads, without the GIL.
-        self._executor = llguidance.LLExecutor(num_threads=max(1, min(2, os.cpu_count() or 1)))
 
     @staticmethod
     def grammar_text(params: StructuredOutputsParams) -> str:
@@ -123,5 +120,7 @@ class GuidanceBackend(GrammarBackend):
         return GuidanceGrammar(template)
 
     def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
-        rows = [(matcher.matcher, row) for row, matcher in enumerate(matchers)]  # type: ignore[attr-defined]
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        # One row after another on this thread: llguidance's parallel executor was no faster in the
+        # step loop (its threads find the cores held by torch's, which spin between operators).
+        for row, matcher in enumerate(matchers):
+            llguidance.numpy.fill_next_token_bitmask(matcher.matcher, bitmask, row)  # type: ignore[attr-defined]
