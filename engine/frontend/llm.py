@@ -68,12 +68,14 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations, rendered with the model's chat template."""
+        """Generate replies to conversations, rendered with the model's chat template (with
+        `tools`, OpenAI's tool definitions, when given)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [
-            render_chat_prompt(tokenizer, list(conversation), add_generation_prompt, chat_template)
+            render_chat_prompt(tokenizer, list(conversation), add_generation_prompt, chat_template, tools=tools)
             for conversation in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm)

@@ -32,8 +32,6 @@ class CacheEngine:
             )
             for layer, (kv_heads, head_dim) in layer_specs.items()
         }
-        # The engine answers while the pages fault in behind it (seconds per GiB).
-        prefault_in_background(list(self.kv_caches.values()))
         # Empty is safe here: a host block is always written by a swap-out before a swap-in reads it.
         pin = device.type == "cuda"
         self.cpu_caches = {
@@ -41,6 +39,10 @@ class CacheEngine:
             for layer, (kv_heads, head_dim) in layer_specs.items()
             if num_cpu_blocks
         }
+        # The engine answers while the pages fault in behind it (seconds per GiB). Started after the
+        # host pool's allocation: faulting in holds the process's memory map, and each mapping of a
+        # new tensor would wait for it.
+        prefault_in_background(list(self.kv_caches.values()))
 
     def move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """The step's block moves, before its forward pass: swaps out, swaps in, then copies."""

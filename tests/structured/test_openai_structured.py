@@ -1,0 +1,302 @@
+"""Structured outputs and tool calling through a real `raypage api-server` on SmolLM2, with the
+official openai client: every schema of tests/structured/schemas.py at temperature 1.0 and several
+seeds on both endpoints, regex / choice / grammar, streaming, n = 3, forced and auto tool calls,
+conversations with tool results, the bad inputs (each a 400 naming the field, the engine serving on),
+and the grammar metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.cluster.remote_server import RemoteServer
+from tests.structured.checks import (
+    TOOLS,
+    WEATHER_QUESTION,
+    assert_forced_tool_calls,
+    assert_json_schema_reply,
+    check_json,
+    in_parallel,
+    reply_calls,
+)
+from tests.structured.schemas import SCHEMAS
+
+MODEL = "smollm2"
+SEEDS = (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    folder: Path = tmp_path_factory.mktemp("structured")
+    flags = [
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "64",
+        "--disable-access-log",
+    ]
+    server = RemoteServer(
+        [*flags, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], folder / "server.log"
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_every_schema_holds_on_chat_at_temperature_one(client: openai.OpenAI) -> None:
+    def chat(case, seed):
+        return lambda: client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": case.prompt + " Answer in JSON."}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": case.name, "schema": case.schema},
+            },
+            temperature=1.0,
+            seed=seed,
+            max_completion_tokens=150,
+        )
+
+    calls = [chat(case, seed) for case in SCHEMAS for seed in SEEDS]
+    for index, response in enumerate(in_parallel(calls)):
+        choice = response.choices[0]
+        check_json(choice.message.content, SCHEMAS[index // len(SEEDS)].schema, choice.finish_reason)
+
+
+def test_every_schema_holds_on_completions(client: openai.OpenAI) -> None:
+    def complete(case):
+        return lambda: client.completions.create(
+            model=MODEL,
+            prompt=f"{case.prompt} The answer, in JSON:",
+            extra_body={"structured_outputs": {"json": case.schema}},
+            temperature=1.0,
+            seed=3,
+            max_tokens=150,
+        )
+
+    for case, response in zip(SCHEMAS, in_parallel([complete(case) for case in SCHEMAS]), strict=True):
+        check_json(response.choices[0].text, case.schema, response.choices[0].finish_reason)
+
+
+def test_n3_and_streams_hold_to_the_schema(client: openai.OpenAI) -> None:
+    schema = SCHEMAS[2].schema
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+        temperature=1.0,
+        seed=4,
+        n=3,
+        max_completion_tokens=100,
+    )
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    for choice in response.choices:
+        check_json(choice.message.content, schema, choice.finish_reason)
+    assert_json_schema_reply(client, MODEL, schema, stream=True)
+    text, finish = "", None
+    for chunk in client.completions.create(
+        model=MODEL,
+        prompt="JSON:",
+        extra_body={"response_format": {"type": "json_object"}},
+        max_tokens=60,
+        temperature=0.0,
+        stream=True,
+    ):
+        text += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+    if finish == "stop":
+        assert isinstance(json.loads(text), dict)
+    assert text.startswith("{")
+
+
+def test_regex_choice_and_grammar_on_both_endpoints(client: openai.OpenAI) -> None:
+    constraints = {
+        r"\d{3}-\d{4}": {"regex": r"\d{3}-\d{4}"},
+        "(red|green|blue)": {"choice": ["red", "green", "blue"]},
+        "(yes|no), because [a-z]{2,10}": {"grammar": 'root ::= ("yes" | "no") ", because " [a-z]{2,10}'},
+    }
+
+    def completion(constraint, seed):
+        return lambda: client.completions.create(
+            model=MODEL,
+            prompt="Answer:",
+            extra_body={"structured_outputs": constraint},
+            temperature=1.0,
+            seed=seed,
+            max_tokens=40,
+        ).choices[0]
+
+    def chat(constraint, seed):
+        return lambda: client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Answer briefly."}],
+            extra_body={"structured_outputs": constraint},
+            temperature=1.0,
+            seed=seed,
+            max_completion_tokens=40,
+        ).choices[0]
+
+    cases = [(pattern, constraint, seed) for pattern, constraint in constraints.items() for seed in SEEDS]
+    completions = in_parallel([completion(constraint, seed) for _, constraint, seed in cases])
+    chats = in_parallel([chat(constraint, seed) for _, constraint, seed in cases])
+    for (pattern, _, _), whole, reply in zip(cases, completions, chats, strict=True):
+        assert re.fullmatch(pattern, whole.text) and whole.finish_reason == "stop", whole
+        assert re.fullmatch(pattern, reply.message.content) and reply.finish_reason == "stop", reply
+
+
+def test_forced_tool_calls_follow_their_schemas(client: openai.OpenAI) -> None:
+    assert_forced_tool_calls(client, MODEL, seeds=range(3))
+
+
+def test_auto_tool_choice_and_a_conversation_with_tool_results(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice="auto",
+        temperature=0.0,
+        max_completion_tokens=40,
+    ).choices[0]
+    assert reply.finish_reason in ("stop", "length", "tool_calls")
+    assert reply.message.content or reply.message.tool_calls
+    # The model's own call and the tool's answer go back through the chat template.
+    conversation = [
+        *WEATHER_QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees and sunny"},
+    ]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=conversation,
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0.0,
+        max_completion_tokens=30,
+    ).choices[0]
+    assert reply.message.content and not reply.message.tool_calls
+    # SmolLM2's template ignores tools: they reach the prompt as text (the documented fallback).
+    with_tools = client.post("/../tokenize", cast_to=object, body={"model": MODEL, "messages": conversation})
+    assert with_tools["count"] > 0
+    forced = client.chat.completions.create(
+        model=MODEL,
+        messages=conversation,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=1.0,
+        seed=1,
+        max_completion_tokens=120,
+    ).choices[0]
+    assert forced.finish_reason == "tool_calls" and reply_calls(forced.message)
+
+
+BAD_REQUESTS = {
+    "an invalid schema": (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}},
+            }
+        },
+        "response_format",
+        "response_format.json_schema.schema",
+    ),
+    "a keyword that cannot be enforced": (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+            }
+        },
+        "response_format",
+        "uniqueItems",
+    ),
+    "an invalid regex": (
+        {"structured_outputs": {"regex": "[a-"}},
+        "structured_outputs",
+        "structured_outputs.regex",
+    ),
+    "an invalid grammar": (
+        {"structured_outputs": {"grammar": "root ::= missing_rule"}},
+        "structured_outputs",
+        "structured_outputs.grammar",
+    ),
+    "two constraints": (
+        {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+        "structured_outputs",
+        "one kind of constraint",
+    ),
+    "two fields": (
+        {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+        "response_format",
+        "cannot both be given",
+    ),
+    "a named tool not in tools": (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+        "'nope'",
+    ),
+    "a malformed parameters schema": (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "required": 3}},
+                }
+            ],
+            "tool_choice": "required",
+        },
+        "tools",
+        "tools[0].function.parameters",
+    ),
+    "tool_choice without tools": ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    "a forced tool and a response format": (
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+        "use one of them",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_constraints_are_400s_naming_the_field(client: openai.OpenAI, case: str) -> None:
+    body, param, text = BAD_REQUESTS[case]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_completion_tokens=5,
+            extra_body=body,
+        )
+    assert caught.value.body["param"] == param and text in caught.value.body["message"], caught.value.body
+
+
+def test_the_engine_serves_on_and_reports_grammar_metrics(
+    server: RemoteServer, client: openai.OpenAI
+) -> None:
+    reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0.0)
+    assert reply.choices[0].text
+    assert server.metric("raypage:structured_output_requests_total") >= len(SCHEMAS) * len(SEEDS)
+    assert server.metric("raypage:grammar_compiles_total") >= len(SCHEMAS)
+    assert server.metric("raypage:grammar_cache_hits_total") > 0
+    assert server.metric("raypage:grammar_compile_seconds_total") > 0
