@@ -32,8 +32,8 @@
 // 2-core KVM Xeon, where the cache's blocks come at the fill buffers' pace, prefetched or not), and
 // the last slowed the softmax by what it saved. Hand-written tile code rather than
 // at::native::cpublas::brgemm: a brgemm call of one tile's scores (16 x 16 x 64) or one P V step took
-// 120-135 ns here, against 20-45 ns for the tile instructions; loading a tile configuration (once per
-// thread and call) takes about 50 ns.
+// several times what the tile instructions take (docs/performance.md has the figures); loading a tile
+// configuration happens once per thread and call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -81,7 +81,7 @@ inline void tiles_see_stores() { asm volatile("" ::: "memory"); }
 
 // All eight tiles as 16 rows of 64 bytes: partial tiles are padded (rows of zeros or leftovers,
 // keys masked) rather than reconfigured, so one configuration per thread and call serves every
-// item (loading one costs about 50 ns and zeroes the tiles). Tile state is per thread.
+// item (loading one also zeroes the tiles). Tile state is per thread.
 void configure_tiles() {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};

@@ -25,8 +25,9 @@ namespace {
 
 // One row to its slot. The slot's lines were last touched long ago (the cache is hundreds of
 // megabytes per layer), so an ordinary store first reads each line from memory, one miss after
-// another; streaming stores write whole lines without reading them (25 -> 7 us for a decode step's
-// 384 rows of 128 bytes). Rows that are not whole 16-byte units, or not aligned to them, are copied.
+// another; streaming stores write whole lines without reading them (a decode step's rows are written
+// several times faster; docs/performance.md). Rows that are not whole 16-byte units, or not aligned
+// to them, are copied.
 inline void copy_row(char* dst, const char* src, int64_t bytes) {
 #if defined(__SSE2__)
   if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {

@@ -13,7 +13,7 @@
 // output projection, the post-attention norm, the gated MLP as panel_silu_and_mul and the down
 // projection. The results are the same bit for bit; what goes is Python: a decode step of a small
 // model runs about 35 operators per layer, each a Python call, a dispatch and its wrappers'
-// checks, about 100 us a layer (some 4 ms of a 64-row decode step for SmolLM2) that this call
+// checks, a noticeable share of a small model's decode step (docs/performance.md) that this call
 // replaces with a dozen dispatches from C++.
 //
 // Weights: qkv, o and down packed by pack_panels, gate_up in two shards (gate, up); hidden and

@@ -10,8 +10,8 @@
 //     AMX: there oneDNN's tile matmuls are several times faster)
 //
 // Why not oneDNN: on a 2-core AVX-512 BF16 EPYC its brgemm ran SmolLM2's decode projections (64 rows,
-// weights streamed from memory) at 340-610 GFLOP/s against 570-730 here, and prefill-sized ones
-// (2,048 rows) at 530-790 against 540-810 (`python -m kernels.bench_linear`; docs/performance.md).
+// weights streamed from memory) slower than this kernel, and prefill-sized ones no faster
+// (`python -m benchmarks.bench_linear`; docs/performance.md has the figures).
 //
 // Layout. A shard's output columns come in panels of kPanel = 48 (three 16-lane vectors); within a
 // panel, for each pair of input columns (k, k+1), the columns' two weights sit side by side:
@@ -118,7 +118,7 @@ enum class Epilogue { kStore, kGate, kGated };
 // Meanwhile the tile brings up to `prefetch_lines` cache lines from `prefetch` into L2, one every
 // other pair of input columns: a share of the next panel when an item has four tiles or more (a
 // panel has three lines a pair), the start of it with fewer (the hardware's prefetcher follows the
-// rest). A finer spread, or a struct for the two arguments, cost 5-13% in the loop.
+// rest). A finer spread, or a struct for the two arguments, made the loop slower.
 template <int Rows, int Vecs, Epilogue kEpilogue>
 void tile(const bf16* a, int64_t lda, const uint16_t* panel, int64_t pairs, const float* bias, bf16* out,
           int64_t ldc, float* gate, const char* prefetch, int64_t prefetch_lines) {

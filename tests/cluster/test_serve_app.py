@@ -34,6 +34,8 @@ from tests.cluster.serve_checks import (
     engine_flags,
     processes_titled,
 )
+from tests.structured.checks import assert_forced_tool_calls, assert_json_schema_reply
+from tests.structured.schemas import SCHEMAS
 
 # Two logical CPUs per extra replica: Serve may start a replacement before the old one is gone.
 CLUSTER_CPUS = 8
@@ -260,6 +262,14 @@ def test_completions_and_chat_match_the_offline_engine(
     assert [model.id for model in client.models.list()] == [MODEL]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+@pytest.mark.slow
+def test_structured_outputs_and_tool_calls_through_serve(client: openai.OpenAI) -> None:
+    # The grammar's masks cross the Ray executor to both tensor-parallel workers.
+    assert_json_schema_reply(client, MODEL, SCHEMAS[2].schema, stream=False)
+    assert_json_schema_reply(client, MODEL, SCHEMAS[5].schema, stream=True)
+    assert_forced_tool_calls(client, MODEL, seeds=range(1))
 
 
 @pytest.mark.slow

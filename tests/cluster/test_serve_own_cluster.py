@@ -24,6 +24,8 @@ from tests.cluster.serve_checks import (
     engine_flags,
     processes_titled,
 )
+from tests.structured.checks import assert_json_schema_reply
+from tests.structured.schemas import SCHEMAS
 
 
 def assert_salts_isolate_the_cache(client: openai.OpenAI) -> None:
@@ -135,6 +137,9 @@ def test_a_separate_ingress_on_its_own_cluster_serves_the_same_texts(
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
         assert_serves_greedy_texts(client, expected)
+        assert_json_schema_reply(
+            client, MODEL, SCHEMAS[0].schema, stream=True
+        )  # through the ingress's handle
         assert_salts_isolate_the_cache(client)
         assert len(serve_processes(server, "ray::ServeReplica:raypage:OpenAIIngress")) == 1
         with pytest.raises(openai.AuthenticationError):

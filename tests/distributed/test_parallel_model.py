@@ -10,13 +10,14 @@ side's top 5.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from engine.config_resolve import resolve_engine_config
 from engine.exceptions import EngineDeadError
 from tests.model.tiny_models import write_tiny_model
@@ -75,11 +76,33 @@ def test_tiny_model_layouts_match_one_worker(tiny_model, tiny_reference, layout)
     llm = LLM(str(tiny_model), distributed_executor_backend="mp", **TINY, **LAYOUTS[layout])
     try:
         assert_logprobs_close(tiny_reference, generate(llm), exact=layout == "pp2")
+        check_structured_outputs(llm)
         check_kv_cache_shards(llm, **LAYOUTS[layout])
         if layout == "pp2":
             check_stages_overlap(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def check_structured_outputs(llm: LLM) -> None:
+    """The step's grammar masks reach the rank that samples (the last stage's), each on its row."""
+    pattern = r"[a-z]{3,6}-\d{2,4}"
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=seed,
+            max_tokens=20,
+            structured_outputs=StructuredOutputsParams(regex=pattern),
+        )
+        for seed in range(3)
+    ]
+    params.append(SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # a row without one
+    outputs = generate(llm, PROMPTS[:4], params)
+    for output in outputs[:3]:
+        # The tokens' own text: the prompts' raw ids end mid-character, which the streamed text shows.
+        text = llm.get_tokenizer().decode(output.outputs[0].token_ids, skip_special_tokens=True)
+        assert re.fullmatch(pattern, text) and output.outputs[0].finish_reason == "stop", output.outputs
+    assert len(outputs[3].outputs[0].token_ids) == 4
 
 
 def check_kv_cache_shards(llm: LLM, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
