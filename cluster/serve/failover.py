@@ -13,8 +13,8 @@ the dead replica held back (a possible stop string's start) come out as an unint
 
 A request that has delivered nothing is resubmitted unchanged, whatever its settings. One that has
 delivered something resumes when it can continue exactly (one sequence, delta outputs, no
-presence/frequency penalty: those count generated tokens, which became prompt tokens), else it ends
-with an error that says why. A replica must take the request (send its first output) within
+presence/frequency penalty: those count generated tokens, which became prompt tokens; no structured
+output, whose grammar state stays in the failed replica), else it ends with an error that says why. A replica must take the request (send its first output) within
 `failover_timeout_s` of the failure, or the request ends with an error.
 """
 
@@ -77,6 +77,8 @@ def resumable_problem(params: SamplingParams | BeamSearchParams) -> str | None:
         return "only streams of deltas are resumed"
     if params.presence_penalty or params.frequency_penalty:
         return "presence and frequency penalties count the generated tokens, which would become prompt tokens"
+    if params.structured_outputs is not None:
+        return "a structured output's place in its grammar is kept by the replica that generated it"
     return None
 
 

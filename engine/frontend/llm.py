@@ -75,7 +75,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [
-            render_chat_prompt(tokenizer, list(conversation), add_generation_prompt, chat_template, tools=tools)
+            render_chat_prompt(
+                tokenizer, list(conversation), add_generation_prompt, chat_template, tools=tools
+            )
             for conversation in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm)

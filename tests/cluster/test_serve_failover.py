@@ -24,7 +24,7 @@ from cluster.serve_app import build_app
 from engine import LLM
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.worker.input_batch import position_seed
 from tests.cluster.local_ray_cluster import serve_url_fixture
 from tests.model.tiny_models import write_tiny_model
@@ -278,6 +278,13 @@ def test_what_cannot_continue_exactly_ends_with_a_clear_error(model: Path) -> No
     progress = StreamProgress("r", "Hi", penalized, tokenizer)
     progress.deliver(delta("r", [1, 2], "a", [3]))
     with pytest.raises(NotResumableError, match="presence and frequency penalties"):
+        progress.resubmission()
+    constrained = msgspec.structs.replace(
+        two, n=1, structured_outputs=StructuredOutputsParams(regex="[a-z]+")
+    )
+    progress = StreamProgress("r", "Hi", constrained, tokenizer)
+    progress.deliver(delta("r", [1, 2], "a", [3]))
+    with pytest.raises(NotResumableError, match="place in its grammar"):
         progress.resubmission()
 
 
