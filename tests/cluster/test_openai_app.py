@@ -215,7 +215,19 @@ def test_completion_bad_requests(engine: ScriptedEngine, body: dict, param: str 
     [
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, None),
-        ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}, None),
+        ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}, "tools"),
+        # tool_choice "auto" on a server without --enable-auto-tool-choice (vLLM's 400)
+        (
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            "tool_choice",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_schema"}},
+            "response_format",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "Hi"}], "cache_salt": ""}, "cache_salt"),
     ],
