@@ -16,6 +16,7 @@ decodes the body straight into the right Struct.
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 
 import msgspec
 
@@ -99,6 +100,10 @@ class GrammarBitmask(msgspec.Struct, array_like=True):
     seq_ids: list[str]
     words: int
     data: bytearray  # [len(seq_ids), words] int32, little-endian (writable: the workers view it)
+
+
+# A step's grammar masks while the engine core computes them (beside the forward pass).
+PendingBitmask = Future  # Future[GrammarBitmask]
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):

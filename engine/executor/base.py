@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import ModelRunnerOutput, PendingBitmask, SchedulerOutput
 
 HEALTH_TIMEOUT_S = 30.0  # a live worker that does not answer check_health within this is hung
 
@@ -74,22 +74,40 @@ class Executor(abc.ABC):
         self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))
         return num_blocks, num_cpu_blocks
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: PendingBitmask | None = None
+    ) -> Callable[[], ModelRunnerOutput]:
         """Start a step; the returned callable waits for its output. Executors whose workers run
         elsewhere return at once, so that pipeline stages overlap. Steps must be waited for in the
-        order they were started (the engine's batch queue does)."""
-        wait_for_workers = self._start_step(scheduler_output)
+        order they were started (the engine's batch queue does).
+
+        `grammar_bitmask` is the step's grammar masks while they are being computed (structured
+        outputs): a worker in this process takes them only when it samples, so that computing them
+        overlaps the forward pass; executors that send the step elsewhere wait for them first."""
+        wait_for_workers = self._start_step(scheduler_output, grammar_bitmask)
         # Only the last pipeline stage samples: the other ranks answer None.
         return lambda: next(output for output in wait_for_workers() if output is not None)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output)()
 
-    def _start_step(self, scheduler_output: SchedulerOutput) -> Callable[[], list[ModelRunnerOutput | None]]:
+    def _start_step(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: PendingBitmask | None
+    ) -> Callable[[], list[ModelRunnerOutput | None]]:
         """Send the step to every worker; the callable waits for their answers in rank order. This
-        default runs it now."""
-        outputs = self.collective_rpc("execute_model", (scheduler_output,))
+        default runs it now, in this process: the masks go along still pending."""
+        outputs = self.collective_rpc("execute_model", (scheduler_output, grammar_bitmask))
         return lambda: outputs
+
+    @staticmethod
+    def with_grammar_bitmask(
+        scheduler_output: SchedulerOutput, grammar_bitmask: PendingBitmask | None
+    ) -> SchedulerOutput:
+        """The step with its grammar masks in it, for an executor that sends it elsewhere (it waits
+        for them)."""
+        if grammar_bitmask is not None:
+            scheduler_output.grammar_bitmask = grammar_bitmask.result()
+        return scheduler_output
 
     def check_health(self) -> None:
         """Raises EngineDeadError when a worker died, TimeoutError when a live one does not answer."""

@@ -28,7 +28,7 @@ import msgspec
 from engine.config import EngineConfig
 from engine.exceptions import EngineDeadError
 from engine.executor.base import Executor
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import ModelRunnerOutput, PendingBitmask, SchedulerOutput
 from engine.process.process_utils import StopOnReleaseOrExit, available_cores, describe_exit
 from engine.worker.worker_proc import run_worker
 
@@ -74,9 +74,12 @@ class MultiprocExecutor(Executor):
     ) -> list[Any]:
         return self._gather(self._broadcast(method, args, kwargs), method, deadline)
 
-    def _start_step(self, scheduler_output: SchedulerOutput) -> Callable[[], list[ModelRunnerOutput | None]]:
+    def _start_step(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: PendingBitmask | None
+    ) -> Callable[[], list[ModelRunnerOutput | None]]:
         """Send the step to every worker now, so that pipeline stages work on consecutive steps at once."""
-        call_id = self._broadcast("execute_model", (msgspec.msgpack.encode(scheduler_output),), {})
+        message = msgspec.msgpack.encode(self.with_grammar_bitmask(scheduler_output, grammar_bitmask))
+        call_id = self._broadcast("execute_model", (message,), {})
         return lambda: self._gather(call_id, "execute_model", None)
 
     def _broadcast(self, method: str, args: tuple, kwargs: dict[str, Any]) -> int:

@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.exceptions import EngineDeadError
 from engine.executor import ray_utils
 from engine.executor.base import Executor
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import ModelRunnerOutput, PendingBitmask, SchedulerOutput
 from engine.process.process_utils import available_cores, free_port, interface_with_address
 from engine.worker.worker import Worker
 
@@ -148,11 +148,13 @@ class RayDistributedExecutor(Executor):
         refs = [worker.execute_method.remote(method, args, kwargs) for worker in self._workers]
         return self._wait(refs, method, deadline)
 
-    def _start_step(self, scheduler_output: SchedulerOutput) -> Callable[[], list[ModelRunnerOutput | None]]:
+    def _start_step(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: PendingBitmask | None
+    ) -> Callable[[], list[ModelRunnerOutput | None]]:
         """Send the step to every worker now (one encoded message, the same bytes for all). An actor
         runs its calls in order, so pipeline stages work on consecutive steps at once."""
         self._check_alive("execute_model")
-        message = msgspec.msgpack.encode(scheduler_output)
+        message = msgspec.msgpack.encode(self.with_grammar_bitmask(scheduler_output, grammar_bitmask))
         refs = [worker.execute_model.remote(message) for worker in self._workers]
         return lambda: self._wait(refs, "execute_model", None)
 

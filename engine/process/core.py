@@ -84,12 +84,10 @@ class EngineCore:
             scheduled = self.scheduler.schedule()
             finished_outputs = scheduled.finished_outputs
             scheduler_output = scheduled.scheduler_output
-            scheduler_output.grammar_bitmask = self.structured_outputs.bitmask(
-                self.scheduler.grammar_rows(scheduler_output)
-            )
             if _has_work(scheduler_output):
+                masks = self.structured_outputs.start_bitmask(self.scheduler.grammar_rows(scheduler_output))
                 self.batch_queue.append(
-                    (scheduler_output, self.executor.execute_model_async(scheduler_output))
+                    (scheduler_output, self.executor.execute_model_async(scheduler_output, masks))
                 )
                 if len(self.batch_queue) < self.max_batches_in_flight:
                     return EngineCoreOutputs(outputs=finished_outputs, scheduler_stats=self.make_stats())

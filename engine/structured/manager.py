@@ -47,6 +47,7 @@ class StructuredOutputManager:
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None
         self._grammars: collections.OrderedDict[str, Future[CompiledGrammar]] = collections.OrderedDict()
         self.num_requests = 0
         self.num_compiles = 0
@@ -78,6 +79,16 @@ class StructuredOutputManager:
             self._grammars.popitem(last=False)
         return future
 
+    def start_bitmask(self, rows: list[tuple[str, GrammarMatcher]]) -> Future[GrammarBitmask] | None:
+        """The step's token masks, computed on a thread of their own while the step's forward pass
+        runs (the worker waits for them only to sample); None without rows. The matchers are not
+        touched elsewhere until the step's tokens come back."""
+        if not rows:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        return self._mask_thread.submit(self.bitmask, rows)
+
     def bitmask(self, rows: list[tuple[str, GrammarMatcher]]) -> GrammarBitmask | None:
         """The step's token masks for (seq_id, matcher) rows; None without rows."""
         if not rows:
@@ -97,8 +108,9 @@ class StructuredOutputManager:
         return stats
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._mask_thread):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, text: str, eos_token_id: int | None) -> CompiledGrammar:
         backend = self._get_backend(eos_token_id)

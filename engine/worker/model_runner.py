@@ -23,6 +23,7 @@ from engine.outputs import (
     LogprobsLists,
     ModelRunnerOutput,
     NewSequenceData,
+    PendingBitmask,
     RunningSequenceDeltas,
     SchedulerOutput,
 )
@@ -80,7 +81,9 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: PendingBitmask | None = None
+    ) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -103,9 +106,12 @@ class ModelRunner:
             )
             output.prompt_logprobs = self._prompt_logprobs(prompt_rows, logits[len(states) :])
         if states:
-            if scheduler_output.grammar_bitmask is not None:
-                row_seq_ids = [state.seq_id for state in states]
-                apply_grammar_bitmask(logits[: len(states)], row_seq_ids, scheduler_output.grammar_bitmask)
+            # The masks come with the step, or (computed beside the forward pass) arrive now.
+            masks = (
+                grammar_bitmask.result() if grammar_bitmask is not None else scheduler_output.grammar_bitmask
+            )
+            if masks is not None:
+                apply_grammar_bitmask(logits[: len(states)], [state.seq_id for state in states], masks)
             sampled = self.sampler(logits[: len(states)], self._sampling_metadata(states))
             output.seq_ids = [state.seq_id for state in states]
             output.sampled_token_ids = [[token] for token in sampled.sampled_token_ids.tolist()]

@@ -12,7 +12,7 @@ import os
 import torch
 
 from engine.config import ResolvedEngineConfig
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import ModelRunnerOutput, PendingBitmask, SchedulerOutput
 from engine.worker.cache_engine import CacheEngine
 from engine.worker.cuda_graphs import cuda_graphs_disabled_reason, graph_memory_estimate
 from engine.worker.memory import (
@@ -146,10 +146,14 @@ class Worker:
     def _cuda_graphs_disabled_reason(self) -> str | None:
         return cuda_graphs_disabled_reason(self.config, self.device, self.model_runner.attention_backend)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: PendingBitmask | None = None
+    ) -> ModelRunnerOutput | None:
+        """One step; `grammar_bitmask`, the step's grammar masks still being computed (an in-process
+        worker), is waited for only when the step samples."""
         if scheduler_output.has_block_moves:
             self.cache_engine.move_blocks(scheduler_output)
-        output = self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output, grammar_bitmask)
         return output if get_parallel_state().is_driver else None
 
     def communication_stats(self) -> dict[str, tuple[float, int]]:
