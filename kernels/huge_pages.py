@@ -31,6 +31,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
+# What one call faults in: long enough that the calls cost nothing, short enough that an allocation
+# waiting for the memory map is not held up.
+PREFAULT_CHUNK_BYTES = 16 * HUGE_PAGE_BYTES
 MADV_HUGEPAGE = 14  # <linux/mman.h>
 MADV_POPULATE_WRITE = 23
 
@@ -88,7 +91,7 @@ def _prefault(tensors: list[torch.Tensor]) -> None:
     for tensor in tensors:
         if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
             continue
-        error = _populate(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        error = _populate_in_chunks(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         if error == errno.EINVAL:
             return
         if error:
@@ -97,3 +100,14 @@ def _prefault(tensors: list[torch.Tensor]) -> None:
             logger.warning(
                 "could not fault in %d MB of KV cache: %s", tensor.nbytes >> 20, errno.errorcode[error]
             )
+
+
+def _populate_in_chunks(address: int, length: int) -> int:
+    """`_populate` a few huge pages at a time: faulting in holds the process's memory map, which every
+    new mapping (a large tensor the engine allocates for its first requests) would otherwise wait
+    for until the whole tensor is in."""
+    for start in range(0, length, PREFAULT_CHUNK_BYTES):
+        error = _populate(address + start, min(PREFAULT_CHUNK_BYTES, length - start))
+        if error:
+            return error
+    return 0
