@@ -160,53 +160,34 @@ def test_forced_tool_calls_follow_their_schemas(client: openai.OpenAI) -> None:
 
 
 def test_auto_tool_choice_and_a_conversation_with_tool_results(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=WEATHER_QUESTION,
-        tools=TOOLS,
-        tool_choice="auto",
-        temperature=0.0,
-        max_completion_tokens=40,
-    ).choices[0]
-    assert reply.finish_reason in ("stop", "length", "tool_calls")
-    assert reply.message.content or reply.message.tool_calls
-    # The model's own call and the tool's answer go back through the chat template.
+    def reply(messages: list[dict], tool_choice: str, **settings: object):
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            max_completion_tokens=60,
+            **settings,
+        ).choices[0]
+
+    auto = reply(WEATHER_QUESTION, "auto", temperature=0.0)
+    assert auto.finish_reason in ("stop", "length", "tool_calls") and (
+        auto.message.content or auto.message.tool_calls
+    )
+    # A call of the model's and the tool's answer go back through the chat template.
+    call = {"name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'}
     conversation = [
         *WEATHER_QUESTION,
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'},
-                }
-            ],
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees and sunny"},
     ]
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=conversation,
-        tools=TOOLS,
-        tool_choice="none",
-        temperature=0.0,
-        max_completion_tokens=30,
-    ).choices[0]
-    assert reply.message.content and not reply.message.tool_calls
-    # SmolLM2's template ignores tools: they reach the prompt as text (the documented fallback).
-    with_tools = client.post("/../tokenize", cast_to=object, body={"model": MODEL, "messages": conversation})
-    assert with_tools["count"] > 0
-    forced = client.chat.completions.create(
-        model=MODEL,
-        messages=conversation,
-        tools=TOOLS,
-        tool_choice="required",
-        temperature=1.0,
-        seed=1,
-        max_completion_tokens=120,
-    ).choices[0]
+    text = reply(conversation, "none", temperature=0.0)
+    assert text.message.content and not text.message.tool_calls
+    forced = reply(conversation, "required", temperature=1.0, seed=1, parallel_tool_calls=False)
     assert forced.finish_reason == "tool_calls" and reply_calls(forced.message)
 
 
