@@ -31,7 +31,7 @@ import pytest
 from cluster.jobs.batch import main
 from cluster.jobs.batch_lines import parse_batch_line
 from cluster.jobs.batch_results import ResultsFile
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 from tests.model.tiny_models import write_tiny_model
 
 REPO_ROOT = Path(__file__).parents[2]
@@ -67,6 +67,11 @@ def test_a_prompt_line_keeps_its_id_and_sampling_fields() -> None:
     )
 
 
+def test_a_line_may_hold_a_structured_output() -> None:
+    line = parse_batch_line(1, '{"prompt": "Hi", "structured_outputs": {"json": {"type": "object"}}}')
+    assert line.sampling_params.structured_outputs == StructuredOutputsParams(json={"type": "object"})
+
+
 def test_a_chat_line_without_id_is_named_by_its_line_number() -> None:
     line = parse_batch_line(9, json.dumps({"messages": CHAT}))
     assert (line.id, line.prompt, line.messages) == (9, None, CHAT)
@@ -95,6 +100,10 @@ def test_a_chat_line_without_id_is_named_by_its_line_number() -> None:
         ('{"prompt": "a", "temperature": -1}', "temperature must be non-negative"),
         ('{"prompt": "a", "max_tokens": "ten"}', "max_tokens"),
         ('{"prompt": "a", "stop": [""]}', "stop cannot contain an empty string"),
+        (
+            '{"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["a"]}}',
+            "only use one kind of constraint",
+        ),
     ],
 )
 def test_a_bad_line_says_why(text: str, reason: str) -> None:
