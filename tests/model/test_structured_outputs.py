@@ -183,6 +183,7 @@ def tight_llm() -> LLM:
     engine.llm_engine.shutdown()
 
 
+@pytest.mark.slow  # an engine of its own
 def test_chunked_prefill_and_preemption_keep_the_constraint(tight_llm: LLM) -> None:
     prompts = [
         f"Prompt number {index}: a long prompt that takes more than one chunk of sixteen tokens to prefill, "

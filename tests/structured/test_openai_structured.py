@@ -26,6 +26,9 @@ from tests.structured.checks import (
 )
 from tests.structured.schemas import SCHEMAS
 
+# A server of its own and about a hundred generations: CI runs it, `make test-fast` leaves it out.
+pytestmark = pytest.mark.slow
+
 MODEL = "smollm2"
 SEEDS = (0, 1, 2)
 
