@@ -11,15 +11,22 @@ finite, integers within 64 bits (the engine's wire format), and the fields below
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from cluster.openai.input_checks import check_unicode
+from cluster.openai.protocol_tools import (
+    ChatCompletionTool,
+    DeltaToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    call_template_dict,
+)
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from engine.structured.manager import check_structured_outputs
 
 # JSON has no -inf: vLLM reports impossible tokens with this floor, and so do we.
 LOGPROB_FLOOR = -9999.0
@@ -55,67 +62,6 @@ class StreamOptions(BaseModel):
     """`stream_options`: whether the stream ends with a usage chunk."""
 
     include_usage: bool = False
-
-
-class JsonSchemaFormat(BaseModel):
-    """`response_format.json_schema`: OpenAI's named schema (`strict` is always how it is enforced)."""
-
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    """`response_format`: plain text, any JSON object, or JSON that follows a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError('json_schema must be given exactly when type is "json_schema"')
-        return self
-
-    def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The constraint of this format; a ValueError naming the field when its schema is invalid
-        or cannot be enforced."""
-        if self.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if self.type == "json_schema":
-            assert self.json_schema is not None
-            # A named schema without a schema (OpenAI allows it) is any JSON object.
-            params = StructuredOutputsParams(json=self.json_schema.json_schema or {"type": "object"})
-            try:
-                check_structured_outputs(params)
-            except ValueError as exc:
-                raise ValueError(
-                    str(exc).replace("structured_outputs.json", "response_format.json_schema.schema", 1)
-                ) from None
-            return params
-        return None
-
-
-class StructuredOutputsRequest(BaseModel):
-    """vLLM's `structured_outputs` request field: exactly one constraint."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    def params(self) -> StructuredOutputsParams:
-        return StructuredOutputsParams(
-            json=self.json_schema,
-            regex=self.regex,
-            choice=self.choice,
-            grammar=self.grammar,
-            json_object=self.json_object,
-        )
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -266,21 +212,6 @@ class TextContentPart(BaseModel):
     text: str
 
 
-class FunctionCall(BaseModel):
-    """A function call: its name and its arguments, a JSON object as text."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    """A tool call of an assistant message (in a reply, or in a conversation sent back)."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
 class ChatMessage(OpenAIBaseModel):
     """One message of a conversation, passed to the chat template with any extra keys it has."""
 
@@ -307,42 +238,6 @@ class ChatMessage(OpenAIBaseModel):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
-
-
-def call_template_dict(function: FunctionCall) -> dict[str, Any]:
-    """A call as chat templates take it: arguments parsed (as sent when they are not JSON)."""
-    try:
-        arguments: Any = json.loads(function.arguments)
-    except json.JSONDecodeError:
-        arguments = function.arguments
-    return {"name": function.name, "arguments": arguments}
-
-
-class FunctionDefinition(BaseModel):
-    """A tool's function: its name, what it does, and the JSON schema of its arguments."""
-
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.:-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatCompletionTool(BaseModel):
-    """One entry of `tools`."""
-
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    """`tool_choice` naming the one function the reply must call."""
-
-    type: Literal["function"] = "function"
-    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -512,30 +407,6 @@ class ChatCompletionResponse(ResponseBase[ChatCompletionChoice]):
 
     object: Literal["chat.completion"] = "chat.completion"
     usage: UsageInfo  # always, unlike a stream chunk's
-
-
-class DeltaFunctionCall(BaseModel):
-    """A piece of a streamed function call: the name on its first piece, then argument fragments."""
-
-    name: str | None = None
-    arguments: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler: Any) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class DeltaToolCall(BaseModel):
-    """A piece of tool call number `index` of a streamed message; its first piece carries the id."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler: Any) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class DeltaMessage(BaseModel):

@@ -24,12 +24,9 @@ from cluster.openai.protocol import (
     ChatLogprobContent,
     ChatResponseMessage,
     ChatTokenLogprob,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCall,
 )
+from cluster.openai.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from cluster.openai.serving_engine import OpenAIServing, ServingCall, raise_on_error, random_id
 from cluster.openai.tool_calling import ToolPlan, plan_tools
 from cluster.openai.tool_parsers import StreamDelta, ToolCallStream, ToolParser

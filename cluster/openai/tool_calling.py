@@ -20,7 +20,8 @@ from http import HTTPStatus
 from typing import Any
 
 from cluster.openai.errors import OpenAIError
-from cluster.openai.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice
+from cluster.openai.protocol import ChatCompletionRequest
+from cluster.openai.protocol_tools import ChatCompletionTool, NamedToolChoice
 from cluster.openai.tool_parsers import (
     TOOL_PARSERS,
     JsonArrayToolParser,

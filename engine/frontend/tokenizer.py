@@ -3,6 +3,7 @@ chat template that turns a conversation into a prompt."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -11,6 +12,20 @@ from engine.frontend.chat_tools import tools_in_text
 from engine.models.tokenizer_files import load_tokenizer
 
 __all__ = ["load_tokenizer", "render_chat_prompt"]
+
+_PROBE_CONVERSATION = [{"role": "user", "content": "?"}]
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool", "description": "a probe"}}]
+
+
+@functools.lru_cache(maxsize=32)
+def renders_tools(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> bool:
+    """Whether the chat template renders `tools=`: the prompt of a one-message conversation changes
+    when a tool is given. Once per tokenizer and template."""
+    options: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+    if chat_template is not None:
+        options["chat_template"] = chat_template
+    plain = tokenizer.apply_chat_template(_PROBE_CONVERSATION, **options)
+    return tokenizer.apply_chat_template(_PROBE_CONVERSATION, tools=_PROBE_TOOLS, **options) != plain
 
 
 def render_chat_prompt(
@@ -40,15 +55,12 @@ def render_chat_prompt(
     }
     if chat_template is not None:
         options["chat_template"] = chat_template
-    text = tokenizer.apply_chat_template(conversation, **options)
-    if tools:
-        with_tools = tokenizer.apply_chat_template(conversation, tools=tools, **options)
-        # A template that renders tools changes the prompt for them; one that does not gets them as text.
-        text = (
-            with_tools
-            if with_tools != text
-            else tokenizer.apply_chat_template(tools_in_text(conversation, tools), **options)
-        )
+    if tools and renders_tools(tokenizer, chat_template):
+        text = tokenizer.apply_chat_template(conversation, tools=tools, **options)
+    elif tools:
+        text = tokenizer.apply_chat_template(tools_in_text(conversation, tools), **options)
+    else:
+        text = tokenizer.apply_chat_template(conversation, **options)
     return {
         "prompt": text,
         "prompt_token_ids": tokenizer(text, add_special_tokens=add_special_tokens).input_ids,

@@ -85,7 +85,13 @@ class EngineCore:
             finished_outputs = scheduled.finished_outputs
             scheduler_output = scheduled.scheduler_output
             if _has_work(scheduler_output):
-                masks = self.structured_outputs.start_bitmask(self.scheduler.grammar_rows(scheduler_output))
+                # Rows without a grammar pay nothing: no scan at all until a request had one.
+                rows = (
+                    self.scheduler.grammar_rows(scheduler_output)
+                    if self.structured_outputs.num_requests
+                    else []
+                )
+                masks = self.structured_outputs.start_bitmask(rows)
                 self.batch_queue.append(
                     (scheduler_output, self.executor.execute_model_async(scheduler_output, masks))
                 )

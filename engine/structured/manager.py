@@ -33,6 +33,13 @@ MAX_CACHED_GRAMMARS = 512
 BACKEND: type[GrammarBackend] = GuidanceBackend
 
 
+def grammar_bitmask(backend: GrammarBackend, rows: list[tuple[str, GrammarMatcher]]) -> GrammarBitmask:
+    """The token masks of (seq_id, matcher) rows, as the step sends them to the workers."""
+    bitmask = np.empty((len(rows), backend.words), dtype=np.int32)
+    backend.fill_bitmask([matcher for _, matcher in rows], bitmask)
+    return GrammarBitmask([seq_id for seq_id, _ in rows], backend.words, bytearray(bitmask))
+
+
 def check_structured_outputs(params: StructuredOutputsParams) -> None:
     """A ValueError naming the field when the constraint is invalid or cannot be enforced; run by
     the front end, before the request is scheduled."""
@@ -93,11 +100,8 @@ class StructuredOutputManager:
         """The step's token masks for (seq_id, matcher) rows; None without rows."""
         if not rows:
             return None
-        backend = self._backend
-        assert backend is not None, "a matcher exists only once the backend compiled its grammar"
-        bitmask = np.empty((len(rows), backend.words), dtype=np.int32)
-        backend.fill_bitmask([matcher for _, matcher in rows], bitmask)
-        return GrammarBitmask([seq_id for seq_id, _ in rows], backend.words, bytearray(bitmask))
+        assert self._backend is not None, "a matcher exists only once the backend compiled its grammar"
+        return grammar_bitmask(self._backend, rows)
 
     def add_stats(self, stats: SchedulerStats) -> SchedulerStats:
         """`stats` with the manager's running totals filled in."""

@@ -21,12 +21,13 @@ from tokenizers import Tokenizer
 
 from engine.models.model_files import packaged_model_path
 from engine.models.tokenizer_files import tokenizer_json
-from engine.outputs import EngineCoreOutputs, FinishReason, GrammarBitmask, SchedulerOutput
+from engine.outputs import EngineCoreOutputs, FinishReason, SchedulerOutput
 from engine.sampling_params import StructuredOutputsParams
 from engine.sched.grammar import CompiledGrammar
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler
 from engine.structured.guidance import GuidanceBackend
+from engine.structured.manager import grammar_bitmask
 from tests.unit.scheduler_helpers import FakeWorker, make_request, make_scheduler, seq_index
 from tests.unit.smollm2_tokens import IM_END, encode
 
@@ -81,11 +82,7 @@ def grammar_step(
     out = scheduled.scheduler_output
     rows = scheduler.grammar_rows(out)
     if rows:
-        bitmask = np.empty((len(rows), backend.words), dtype=np.int32)
-        backend.fill_bitmask([matcher for _, matcher in rows], bitmask)
-        out.grammar_bitmask = GrammarBitmask(
-            [seq_id for seq_id, _ in rows], backend.words, bytearray(bitmask)
-        )
+        out.grammar_bitmask = grammar_bitmask(backend, rows)
     worker.run(out)
     outputs = scheduler.update_from_output(out, worker.execute(out))
     outputs.outputs = scheduled.finished_outputs + outputs.outputs
