@@ -68,7 +68,7 @@ def resolve_dtype(setting: str, checkpoint_dtype: str | None, device: str) -> st
 
 def resolve_max_model_len(setting: int | None, arch: ArchConfig, source: str) -> int:
     """The asked-for context, else the model's; longer than the model's is an error."""
-    derived_len = arch.max_position_embeddings
+    derived_len = arch.max_context
     if arch.sliding_window and arch.sliding_window < derived_len:
         logger.warning(
             "sliding-window attention is not implemented: capping the context at %d", arch.sliding_window

@@ -34,10 +34,27 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.data.copy_(loaded)
 
 
+def _shard(loaded: torch.Tensor, dim: int, index: int, size: int, parts: int, name: str) -> torch.Tensor:
+    """Shard `index` of `parts` equal ones along `dim`, after checking that the checkpoint tensor
+    has exactly parts * size there (a larger one would otherwise be cut silently)."""
+    if loaded.shape[dim] != size * parts:
+        raise ValueError(
+            f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {size * parts} along dim {dim}"
+        )
+    return loaded.narrow(dim, index * size, size)
+
+
 def _parameter(shape: Sequence[int], loader: WeightLoader, dtype: torch.dtype | None) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
+
+
+def _name_checkpoint_shards(layer: nn.Module, shards: tuple[object, ...]) -> None:
+    """Mark the parameters of a layer that fuses several checkpoint tensors with the shard ids that
+    must each be loaded (a model's load_weights checks that none is missing)."""
+    for param in layer.parameters(recurse=False):
+        param.checkpoint_shards = shards  # type: ignore[attr-defined]
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -85,7 +102,8 @@ class ColumnParallelLinear(_PreparableLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[0]
-        _copy_checked(param, loaded.narrow(0, self.tp_rank * size, size), "column-parallel weight")
+        name = "column-parallel weight"
+        _copy_checked(param, _shard(loaded, 0, self.tp_rank, size, self.tp_size, name), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -105,13 +123,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, dtype)
         if len(set(self.output_sizes)) == 1:
             self.weight_shards = len(self.output_sizes)
+        _name_checkpoint_shards(self, tuple(range(len(self.output_sizes))))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         _copy_checked(
             param.data.narrow(0, offset, size),
-            loaded.narrow(0, self.tp_rank * size, size),
+            _shard(loaded, 0, self.tp_rank, size, self.tp_size, f"merged column shard {shard_id}"),
             f"merged column shard {shard_id}",
         )
 
@@ -148,6 +167,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
         local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, local * tp_size, bias, dtype)
+        _name_checkpoint_shards(self, ("q", "k", "v"))
 
     @property
     def q_size(self) -> int:
@@ -158,13 +178,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        name = f"{shard_id} proj"
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp_rank
         else:
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size, rank = self.kv_size, self.tp_rank // self.kv_replicas
         _copy_checked(
-            param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size), f"{shard_id} proj"
+            param.data.narrow(0, offset, size),
+            _shard(loaded, 0, rank, size, self.tp_size // (1 if shard_id == "q" else self.kv_replicas), name),
+            name,
         )
 
 
@@ -181,7 +204,8 @@ class RowParallelLinear(_PreparableLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[1]
-        _copy_checked(param, loaded.narrow(1, self.tp_rank * size, size), "row-parallel weight")
+        name = "row-parallel weight"
+        _copy_checked(param, _shard(loaded, 1, self.tp_rank, size, self.tp_size, name), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = tensor_parallel_all_reduce(linear(x, self.weight))

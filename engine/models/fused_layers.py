@@ -1,4 +1,4 @@
-"""Llama decoder layers run as one C++ call each, where every operator of the layer has a CPU kernel.
+"""Llama-shaped decoder layers run as one C++ call each, where every operator of the layer has a CPU kernel.
 
 A decode step of a small model spends a good share of its time in Python between the operators:
 about 35 per layer (norms, the four projections, rotary, the cache write, attention and their views),
@@ -7,7 +7,8 @@ each a Python call, a dispatch and its wrapper's checks. `torch.ops.raypage.llam
 are the same bit for bit (tests/model/test_fused_layers.py), without the Python between them
 (docs/performance.md).
 
-A layer is fused where all of it runs on those kernels: the cpu_paged attention backend over a bf16
+A layer is fused where it is Llama's (plain attention, a SiLU MLP, no sliding window or soft cap)
+and all of it runs on those kernels: the cpu_paged attention backend over a bf16
 cache with the tiled prefill kernel built for its shape (AVX-512 BF16), its four projections in
 panels (kernels/linear.py), no biases but the QKV projection's, and no tensor parallelism (the
 row-parallel projections' all-reduce stays in Python). Anywhere else the layer's own forward runs.
@@ -19,15 +20,15 @@ import torch
 from torch import nn
 
 from engine.forward_context import get_forward_context
-from engine.models.llama import LlamaDecoderLayer
+from engine.models.decoder import Attention, DecoderLayer, GatedMLP
 from kernels.attention import AttentionBackend
 from kernels.attention.cpu_paged import cascade_blocks, cpu_paged_attention, tiled_serves
 
 
 class FusedDecoderLayer:
-    """One LlamaDecoderLayer's weights and shapes, called as `layer(positions, hidden, residual)`."""
+    """One DecoderLayer's weights and shapes, called as `layer(positions, hidden, residual)`."""
 
-    def __init__(self, layer: LlamaDecoderLayer) -> None:
+    def __init__(self, layer: DecoderLayer) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         self.layer_index = attention.attn.layer_index
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
@@ -81,9 +82,15 @@ def _in_panels(weight: torch.Tensor, shards: int = 1) -> bool:
     return weight.dim() == 4 and weight.shape[0] == shards
 
 
-def fusable(layer: LlamaDecoderLayer, attention_backend: AttentionBackend, block_size: int) -> bool:
+def fusable(layer: DecoderLayer, attention_backend: AttentionBackend, block_size: int) -> bool:
     """Whether every operator of `layer` runs on the fused call's kernels."""
     attention, mlp = layer.self_attn, layer.mlp
+    if type(layer) is not DecoderLayer or not (
+        isinstance(attention, Attention) and attention.is_plain and type(mlp) is GatedMLP
+    ):
+        return False  # the C++ layer is Llama's: no q/k norms, windows, soft caps or other MLPs
+    if mlp.activation is not None:
+        return False
     if attention_backend is not cpu_paged_attention or attention.o_proj.tp_size != 1:
         return False
     if not (
@@ -105,7 +112,7 @@ def fuse_decoder_layers(model: nn.Module, attention_backend: AttentionBackend, b
     """Give each decoder layer of `model` that can take it a fused call; returns how many took one."""
     fused = 0
     for module in model.modules():
-        if isinstance(module, LlamaDecoderLayer) and fusable(module, attention_backend, block_size):
+        if isinstance(module, DecoderLayer) and fusable(module, attention_backend, block_size):
             module.fused = FusedDecoderLayer(module)
             fused += 1
     return fused

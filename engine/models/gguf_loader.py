@@ -1,24 +1,23 @@
 """GGUF files: the header as an ArchConfig, the tensors dequantized under Hugging Face names.
 
 llama.cpp's converter permutes the rows of Llama's Q and K projections to suit its rotary layout
-(pairs of adjacent features instead of halves); loading undoes that so the weights match the
-Hugging Face checkpoint the GGUF came from. Qwen2 is converted without the permutation.
+(pairs of adjacent features instead of halves), and stores Gemma's norms as 1 + weight; loading
+undoes both, so the weights match the Hugging Face checkpoint the GGUF came from. Qwen2/3, Phi-3 and
+Gemma are converted without the permutation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from engine.models.arch_config import ArchConfig
+from engine.models.arch_config import ArchConfig, layer_types_of
 from engine.models.gguf_file import GGUFFile
-
-# GGUF architecture -> the Hugging Face architecture name our registry knows.
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_PERMUTED_ARCHITECTURES = {"llama", "mistral"}
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -31,8 +30,50 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GEMMA_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _GGUFArchitecture:
+    """How llama.cpp's converter stored one architecture."""
+
+    hf_architecture: str
+    # Q and K rows interleaved per head for llama.cpp's rotary layout (Llama, Mistral).
+    permuted: bool = False
+    # Tensor names that differ from Llama's: llama.cpp name -> Hugging Face name inside a layer.
+    layer_tensors: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Gemma's norms are stored as 1 + weight (the converter adds the one that Gemma's norm adds).
+    norms_plus_one: bool = False
+
+    def hf_layer_tensor(self, kind: str) -> str | None:
+        return self.layer_tensors.get(kind) or _LAYER_TENSORS.get(kind)
+
+
+# GGUF architecture -> how to read it as the Hugging Face architecture our registry knows.
+_ARCHITECTURES = {
+    "llama": _GGUFArchitecture("LlamaForCausalLM", permuted=True),
+    "mistral": _GGUFArchitecture("MistralForCausalLM", permuted=True),
+    "qwen2": _GGUFArchitecture("Qwen2ForCausalLM"),
+    "qwen3": _GGUFArchitecture("Qwen3ForCausalLM", layer_tensors=_QK_NORMS),
+    # Phi-3's fused projections keep their fusion: the model splits them (engine/models/phi3.py).
+    "phi3": _GGUFArchitecture(
+        "Phi3ForCausalLM", layer_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+    ),
+    "gemma2": _GGUFArchitecture("Gemma2ForCausalLM", layer_tensors=_GEMMA_NORMS, norms_plus_one=True),
+    "gemma3": _GGUFArchitecture(
+        "Gemma3ForCausalLM", layer_tensors=_GEMMA_NORMS | _QK_NORMS, norms_plus_one=True
+    ),
+}
+# llama.cpp's rule for Gemma's score scale: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for
+# the 27B models (identified by their layer count).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def _architecture(gguf: GGUFFile) -> str:
@@ -59,15 +100,28 @@ def read_gguf_arch_config(path: Path) -> ArchConfig:
             "factor": get(f"{arch}.rope.scaling.factor", 1.0),
             "original_max_position_embeddings": get(f"{arch}.rope.scaling.original_context_length"),
         }
+    num_layers = get(f"{arch}.block_count")
+    head_dim = get(f"{arch}.attention.key_length", hidden_size // num_heads)
+    architecture = _ARCHITECTURES[arch].hf_architecture
+    gemma: dict[str, Any] = {}
+    if arch in _GEMMA_27B_LAYERS:
+        big = num_layers == _GEMMA_27B_LAYERS[arch]
+        gemma = {
+            "hidden_act": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": hidden_size // num_heads if big else head_dim,
+            "attn_logit_softcapping": get(f"{arch}.attn_logit_softcapping"),
+            "final_logit_softcapping": get(f"{arch}.final_logit_softcapping"),
+            "local_rope_theta": 10000.0 if arch == "gemma3" else None,
+        }
     return ArchConfig(
-        architecture=_ARCHITECTURES[arch],
+        architecture=architecture,
         vocab_size=get(f"{arch}.vocab_size") or len(get("tokenizer.ggml.tokens", ())),
         hidden_size=hidden_size,
         intermediate_size=get(f"{arch}.feed_forward_length"),
-        num_layers=get(f"{arch}.block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=get(f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=get(f"{arch}.attention.key_length", hidden_size // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=get(f"{arch}.context_length", 2048),
@@ -76,20 +130,23 @@ def read_gguf_arch_config(path: Path) -> ArchConfig:
         o_bias="blk.0.attn_output.bias" in tensor_names,
         rope_scaling=rope_scaling,
         eos_token_ids=tuple(token for token in [get("tokenizer.ggml.eos_token_id")] if token is not None),
+        sliding_window=get(f"{arch}.attention.sliding_window"),
+        layer_types=layer_types_of({}, architecture, num_layers),
+        **gemma,
     )
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: _GGUFArchitecture) -> str:
     match = _LAYER_NAME.fullmatch(gguf_name)
     if match:
         layer, kind, suffix = match.groups()
-        if kind in _LAYER_TENSORS:
-            return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+        if hf_name := arch.hf_layer_tensor(kind):
+            return f"model.layers.{layer}.{hf_name}.{suffix}"
     else:
         base, _, suffix = gguf_name.rpartition(".")
         if base in _GLOBAL_TENSORS:
             return f"{_GLOBAL_TENSORS[base]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a {arch.hf_architecture} model")
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -104,11 +161,14 @@ def iterate_gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     arch = _architecture(gguf)
     num_heads = gguf.get(f"{arch}.attention.head_count")
     num_kv_heads = gguf.get(f"{arch}.attention.head_count_kv", num_heads)
+    spec = _ARCHITECTURES[arch]
     for tensor in gguf.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, spec)
         values = torch.from_numpy(gguf.dequantize(tensor))
-        if arch in _PERMUTED_ARCHITECTURES and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if spec.permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             values = unpermute_rotary_rows(values, num_heads)
-        elif arch in _PERMUTED_ARCHITECTURES and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif spec.permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             values = unpermute_rotary_rows(values, num_kv_heads)
+        elif spec.norms_plus_one and name.endswith("norm.weight"):
+            values = values - 1.0  # back to the checkpoint's weight (exact: the file's value is near 1)
         yield name, values

@@ -1,0 +1,44 @@
+"""GGUF files of the families llama.cpp defines, read by the engine and by transformers' own GGUF
+reader (the independent reference): greedy outputs token-identical in float32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.model.hf_reference import hf_greedy
+from tests.model.test_model_families import PROMPTS, _engine_greedy
+from tests.model.tiny_families import write_family_model
+from tests.model.tiny_gguf import write_gguf
+
+# Settings transformers' GGUF reader does not take from the file, set to the defaults it assumes:
+# Qwen3's head_dim, Gemma's score scale (query_pre_attn_scalar = head_dim = 256) and Gemma 3's
+# layer pattern (every sixth layer global) and RoPE bases.
+_READER_DEFAULTS = {
+    "qwen3": {"head_dim": 128},
+    "phi3": {},
+    "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256},
+    "gemma3": {
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "num_hidden_layers": 6,
+        "layer_types": None,
+        "rope_parameters": None,
+    },
+}
+
+
+@pytest.mark.parametrize("family", list(_READER_DEFAULTS))
+def test_gguf_family_matches_transformers(tmp_path, family):
+    folder = write_family_model(tmp_path / family, family, **_READER_DEFAULTS[family])
+    config = json.loads((folder / "config.json").read_text())
+    path = write_gguf(folder, config, tmp_path / f"{family}.gguf")
+    hf = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    outputs = _engine_greedy(path, PROMPTS, 10, num_kv_blocks=48, max_num_batched_tokens=16)
+    for output, prompt in zip(outputs, PROMPTS, strict=True):
+        assert output == hf_greedy(hf, prompt, 10)
