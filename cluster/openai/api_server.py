@@ -18,6 +18,7 @@ from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, served_model_names
 from cluster.openai.drain import DrainState
 from cluster.openai.engine_watching_server import EngineWatchingServer
+from cluster.openai.reasoning_parsers import REASONING_PARSERS
 from cluster.openai.tool_calling import AUTO_TOOL_PARSERS
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
@@ -93,6 +94,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=AUTO_TOOL_PARSERS,
         help='the format of the model\'s own tool calls, for tool_choice "auto"',
     )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="the reasoning format of the model's output, for chat: its think block becomes the reply's "
+        "reasoning (and reasoning_content), the rest its content",
+    )
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -111,6 +118,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

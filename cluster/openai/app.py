@@ -39,6 +39,7 @@ from cluster.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from cluster.openai.reasoning_parsers import get_reasoning_parser
 from cluster.openai.tool_calling import check_tool_settings
 from engine.models.model_files import PACKAGED_GGUF
 
@@ -64,6 +65,9 @@ class ServerSettings:
     # --enable-auto-tool-choice --tool-call-parser).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # The reasoning format of the model's output (vLLM's --reasoning-parser): the text inside
+    # <think>...</think> becomes the chat reply's `reasoning`; None: all of it is content.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -75,6 +79,8 @@ class ServerSettings:
                 f"request_timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.request_timeout_s}"
             )
         check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known ones
 
 
 def served_model_names(requested: str | list[str] | None, model: str | None) -> list[str]:
@@ -124,6 +130,7 @@ def build_app(
         timeout_s,
         settings.enable_prompt_tokens_details,
         settings.tool_call_parser if settings.enable_auto_tool_choice else None,
+        settings.reasoning_parser,
     )
 
     @contextlib.asynccontextmanager

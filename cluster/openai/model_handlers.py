@@ -43,13 +43,19 @@ class ModelRouter:
         default_timeout_s: float | None,
         prompt_tokens_details: bool,
         auto_tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.handlers = [
             ModelHandlers(
                 model,
                 OpenAIServingCompletion(model.engine, model.names, default_timeout_s, prompt_tokens_details),
                 OpenAIServingChat(
-                    model.engine, model.names, default_timeout_s, prompt_tokens_details, auto_tool_parser
+                    model.engine,
+                    model.names,
+                    default_timeout_s,
+                    prompt_tokens_details,
+                    auto_tool_parser,
+                    reasoning_parser,
                 ),
                 OpenAIServingTokenization(model.engine, model.names),
             )

@@ -14,7 +14,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    computed_field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from cluster.openai.input_checks import check_unicode
 from cluster.openai.protocol_tools import (
@@ -255,6 +263,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: false leaves the reasoning (--reasoning-parser) out of the reply.
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _check_supported(self) -> ChatCompletionRequest:
@@ -387,8 +397,20 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatLogprobContent] | None = None
 
 
-class ChatResponseMessage(BaseModel):
-    """The assistant's reply: text, tool calls, or both."""
+class ReasoningContentAlias(BaseModel):
+    """The `reasoning` a --reasoning-parser split off (vLLM's name), sent under its older name
+    `reasoning_content` too, which vLLM before 0.11, DeepSeek's API and their clients read."""
+
+    reasoning: str | None = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reasoning_content(self) -> str | None:
+        return self.reasoning
+
+
+class ChatResponseMessage(ReasoningContentAlias):
+    """The assistant's reply: text, tool calls, or both; and the reasoning before them."""
 
     role: str = "assistant"
     content: str | None = None
@@ -409,9 +431,9 @@ class ChatCompletionResponse(ResponseBase[ChatCompletionChoice]):
     usage: UsageInfo  # always, unlike a stream chunk's
 
 
-class DeltaMessage(BaseModel):
-    """What a stream chunk adds to a message: the role on a choice's first chunk, then content or
-    pieces of tool calls."""
+class DeltaMessage(ReasoningContentAlias):
+    """What a stream chunk adds to a message: the role on a choice's first chunk, then reasoning,
+    content or pieces of tool calls."""
 
     role: str | None = None
     content: str | None = None

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the messages rendered with the tokenizer's chat template, then one
-engine request; its output as text, or as tool calls (cluster/openai/tool_calling.py)."""
+engine request; its output as text, or as tool calls (cluster/openai/tool_calling.py), after the
+reasoning (cluster/openai/chat_reply.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from cluster.openai.chat_reply import ROLE, ReplyParsers
 from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError
 from cluster.openai.protocol import (
@@ -22,19 +24,15 @@ from cluster.openai.protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatLogprobContent,
-    ChatResponseMessage,
     ChatTokenLogprob,
     DeltaMessage,
 )
-from cluster.openai.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from cluster.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from cluster.openai.serving_engine import OpenAIServing, ServingCall, raise_on_error, random_id
 from cluster.openai.tool_calling import ToolPlan, plan_tools
-from cluster.openai.tool_parsers import StreamDelta, ToolCallStream, ToolParser
 from engine.frontend.logprobs import Logprob
 from engine.outputs import CompletionOutput
 from engine.sampling_params import StructuredOutputsParams
-
-ROLE = "assistant"
 
 
 def _token_logprob(candidate: Logprob) -> dict:
@@ -65,42 +63,6 @@ def _finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
     return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
 
 
-def reply_message(text: str, parser: ToolParser | None) -> ChatResponseMessage:
-    """The assistant's message for a whole output: its text, or the calls the parser finds in it."""
-    if parser is None:
-        return ChatResponseMessage(role=ROLE, content=text)
-    extracted = parser.extract(text)
-    calls = [
-        ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-        for call in extracted.calls
-    ]
-    return ChatResponseMessage(role=ROLE, content=extracted.content, tool_calls=calls)
-
-
-def delta_message(delta: StreamDelta) -> DeltaMessage:
-    """A stream's step as OpenAI's delta: content, and pieces of tool calls (each call's first
-    piece with its id, type and name)."""
-    calls = [
-        DeltaToolCall(
-            index=piece.index,
-            id=piece.id,
-            type="function" if piece.id is not None else None,
-            function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments),
-        )
-        for piece in delta.tool_calls
-    ]
-    return DeltaMessage(content=delta.content or None, tool_calls=calls or None)
-
-
-def _feed(stream: ToolCallStream, text: str, finished: bool) -> StreamDelta:
-    """What a choice's stream sends for its next text (and, at its end, what it held back)."""
-    delta = stream.feed(text)
-    if finished:
-        end = stream.finish()
-        delta = StreamDelta(delta.content + end.content, delta.tool_calls + end.tool_calls)
-    return delta
-
-
 class OpenAIServingChat(OpenAIServing):
     """The chat completions handler."""
 
@@ -111,10 +73,15 @@ class OpenAIServingChat(OpenAIServing):
         default_timeout_s: float | None = None,
         prompt_tokens_details: bool = False,
         auto_tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(engine, served_model_names, default_timeout_s, prompt_tokens_details)
         # The --tool-call-parser of tool_choice "auto"; None without --enable-auto-tool-choice.
         self.auto_tool_parser = auto_tool_parser
+        # The --reasoning-parser's format (ValueError for an unknown name, before serving).
+        self.reasoning_parser: type[ReasoningParser] | None = (
+            get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        )
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -129,11 +96,12 @@ class OpenAIServingChat(OpenAIServing):
             request.chat_template_kwargs,
             tools=tools.template_tools,
         )
+        constraint = self._constraint(request, tools)
         params = request.sampling_params(
             self.max_tokens(len(prompt.token_ids), request.requested_max_tokens),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=None,
-            structured_outputs=self._constraint(request, tools),
+            structured_outputs=constraint,
         )
         if tools.parser is not None and tools.parser.needs_special_tokens:
             # The format's markers are special tokens: the text must keep them to be parsed.
@@ -143,7 +111,13 @@ class OpenAIServingChat(OpenAIServing):
         outputs = self.generate(
             request_id, [prompt], [params], request.priority, request.timeout, request.cache_salt
         )
-        call = ServingCall(request, model, request_id, [prompt], outputs, tools.parser)
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = self.reasoning_parser.for_request(
+                prompt.text or "", request.chat_template_kwargs, constrained=constraint is not None
+            )
+        reply = ReplyParsers(reasoning, tools.parser, request.include_reasoning)
+        call = ServingCall(request, model, request_id, [prompt], outputs, reply)
         return await self.respond(call, raw_request, self._stream, self._collect)
 
     @staticmethod
@@ -169,7 +143,7 @@ class OpenAIServingChat(OpenAIServing):
         assert final is not None, "the engine ended a request without a final output"
         choices = []
         for seq in sorted(final.outputs, key=lambda seq: seq.index):
-            message = reply_message(seq.text, call.tool_parser)
+            message = call.reply.message(seq.text)
             choices.append(
                 ChatCompletionChoice(
                     index=seq.index,
@@ -190,8 +164,8 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(
         self, call: ServingCall[ChatCompletionRequest]
     ) -> AsyncIterator[ChatCompletionStreamResponse]:
-        """The role of every choice first, then a chunk per content or tool-call delta, each choice's
-        last one with its finish reason; then the usage."""
+        """The role of every choice first, then a chunk per reasoning, content or tool-call delta,
+        each choice's last one with its finish reason; then the usage."""
 
         request = call.request
 
@@ -200,8 +174,7 @@ class OpenAIServingChat(OpenAIServing):
 
         for index in range(request.n):
             yield chunk(ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role=ROLE, content="")))
-        parser = call.tool_parser
-        tool_streams = {index: parser.stream() for index in range(request.n)} if parser else {}
+        streams = {index: call.reply.stream() for index in range(request.n)}
         called_tools: set[int] = set()
         finished: set[int] = set()
         num_generated = num_cached = 0
@@ -213,26 +186,19 @@ class OpenAIServingChat(OpenAIServing):
                     if seq.index in finished:
                         continue
                     num_generated += len(seq.token_ids)
-                    if seq.index in tool_streams:
-                        step = _feed(tool_streams[seq.index], seq.text, seq.finish_reason is not None)
-                    else:
-                        step = StreamDelta(content=seq.text)
+                    step = streams[seq.index].feed(seq.text, seq.finish_reason is not None)
                     if step.tool_calls:
                         called_tools.add(seq.index)
-                    # Tokens that completed no text yet (part of a character) still have logprobs.
-                    if not (
-                        step.content
-                        or step.tool_calls
-                        or seq.finish_reason
-                        or (request.logprobs and seq.token_ids)
-                    ):
+                    # Tokens that completed no text yet (part of a character, or of a tag held back)
+                    # still have logprobs.
+                    if not (step or seq.finish_reason or (request.logprobs and seq.token_ids)):
                         continue
                     if seq.finish_reason is not None:
                         finished.add(seq.index)
                     yield chunk(
                         ChatCompletionStreamChoice(
                             index=seq.index,
-                            delta=delta_message(step),
+                            delta=step.message(),
                             logprobs=chat_logprobs(seq, request.top_logprobs or 0)
                             if request.logprobs
                             else None,

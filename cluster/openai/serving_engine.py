@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from cluster.openai.chat_reply import ReplyParsers
 from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError
 from cluster.openai.protocol import ChatMessage, PromptTokenUsageInfo, UsageInfo
@@ -26,7 +27,6 @@ from cluster.openai.streaming import (
     sse_stream,
     within_deadline,
 )
-from cluster.openai.tool_parsers import ToolParser
 from engine.frontend.tokenizer import render_chat_prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -60,8 +60,8 @@ class ServingCall(Generic[RequestT]):
     request_id: str
     prompts: list[EnginePrompt]
     outputs: AsyncIterator[tuple[int, RequestOutput]]
-    # Finds tool calls in a chat output (cluster/openai/tool_calling.py); None for text replies.
-    tool_parser: ToolParser | None = None
+    # How a chat output becomes the reply: reasoning, content, tool calls (cluster/openai/chat_reply.py).
+    reply: ReplyParsers = dataclasses.field(default_factory=ReplyParsers)
 
 
 def random_id(prefix: str) -> str:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray.serve.config import AutoscalingConfig
 
 from cluster.openai.app import ServerSettings, served_model_names
+from cluster.openai.reasoning_parsers import REASONING_PARSERS
 from cluster.openai.tool_calling import AUTO_TOOL_PARSERS
 from engine.config import EngineConfig, checked_flat_settings, describe_validation_error
 
@@ -111,6 +112,12 @@ class ServeOptions(BaseModel):
         None,
         description='The format of the model\'s own tool calls, for tool_choice "auto": '
         + ", ".join(AUTO_TOOL_PARSERS),
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="The reasoning format of the model's output, for chat: its think block becomes the "
+        "reply's reasoning (and reasoning_content), the rest its content: "
+        + ", ".join(sorted(REASONING_PARSERS)),
     )
     ingress: Literal["engine", "separate"] | None = Field(
         None,
@@ -237,6 +244,7 @@ def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
         enable_prompt_tokens_details=options.enable_prompt_tokens_details,
         enable_auto_tool_choice=options.enable_auto_tool_choice,
         tool_call_parser=options.tool_call_parser,
+        reasoning_parser=options.reasoning_parser,
     )
     return ServeAppSettings(engine_settings, engine_config, server, options)
 

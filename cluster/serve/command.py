@@ -176,6 +176,7 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
         **({"ingress": args.ingress} if args.ingress else {}),
         **({"routing_policy": args.routing_policy} if args.routing_policy else {}),
         "routing_load_margin": args.routing_load_margin,

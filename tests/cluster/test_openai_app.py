@@ -109,10 +109,18 @@ def engine(tokenizer) -> ScriptedEngine:
 
 
 def call(
-    engine: ScriptedEngine, method: str, path: str, api_key: str | None = None, **kwargs
+    engine: ScriptedEngine,
+    method: str,
+    path: str,
+    api_key: str | None = None,
+    reasoning_parser: str | None = None,
+    **kwargs,
 ) -> httpx.Response:
     """One request to a fresh app over `engine`."""
-    app = build_app(engine, ServerSettings([MODEL], api_key=api_key, max_request_body_bytes=1000))
+    settings = ServerSettings(
+        [MODEL], api_key=api_key, max_request_body_bytes=1000, reasoning_parser=reasoning_parser
+    )
+    app = build_app(engine, settings)
 
     async def run() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
@@ -176,6 +184,31 @@ def test_stream_framing_and_usage(engine: ScriptedEngine) -> None:
     assert content == "".join(WORDS)
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[1:-1]] == [None, None, "length"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_reasoning_parser_makes_unclosed_reasoning_of_every_choice(engine: ScriptedEngine) -> None:
+    # deepseek_r1: output without </think> (the scripted words) is reasoning cut short, all of it.
+    body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2}
+    chat = "/v1/chat/completions"
+    whole = call(engine, "POST", chat, reasoning_parser="deepseek_r1", json=body).json()
+    for choice in whole["choices"]:
+        message = choice["message"]
+        assert message["reasoning"] == message["reasoning_content"] == "".join(WORDS)
+        assert message["content"] is None
+    chunks = sse_payloads(
+        call(engine, "POST", chat, reasoning_parser="deepseek_r1", json={**body, "stream": True})
+    )
+    choices = [choice for chunk in chunks[2:] for choice in chunk["choices"]]  # after the two roles
+    for index in (0, 1):
+        deltas = [choice["delta"] for choice in choices if choice["index"] == index]
+        assert all(
+            "content" not in delta and delta["reasoning"] == delta["reasoning_content"] for delta in deltas
+        )
+        assert "".join(delta["reasoning"] for delta in deltas) == "".join(WORDS)
+    hidden = call(
+        engine, "POST", chat, reasoning_parser="deepseek_r1", json={**body, "include_reasoning": False}
+    )
+    assert hidden.json()["choices"][0]["message"]["reasoning"] is None
 
 
 def test_engine_death_mid_stream_is_an_error_event(engine: ScriptedEngine) -> None:
@@ -325,10 +358,13 @@ def test_api_server_flags() -> None:
             "k",
             "--max-num-seqs",
             "4",
+            "--reasoning-parser",
+            "deepseek_r1",
         ]
     )
     settings = server_settings(args)
     assert (settings.served_model_names, settings.api_key) == (["a", "b"], "k")
+    assert settings.reasoning_parser == "deepseek_r1"
     assert engine_settings_from_args(args) == {"max_num_seqs": "4"}
     assert server_settings(build_parser().parse_args(["api-server"])).served_model_names == [
         "SmolLM2-135M-Instruct"
@@ -336,7 +372,13 @@ def test_api_server_flags() -> None:
 
 
 @pytest.mark.parametrize(
-    "flags", [["--port", "70000"], ["--max-request-body-bytes", "0"], ["--max-num-seqs", "0"]]
+    "flags",
+    [
+        ["--port", "70000"],
+        ["--max-request-body-bytes", "0"],
+        ["--max-num-seqs", "0"],
+        ["--reasoning-parser", "granite"],  # the error lists the known ones (argparse's choices)
+    ],
 )
 def test_api_server_bad_flags_exit_before_loading(flags: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -1,9 +1,11 @@
 """The official openai client (and raw httpx for malformed requests) against a real
-`raypage api-server` subprocess, once on the packaged SmolLM2 and once on a tiny random Llama."""
+`raypage api-server` subprocess, once on the packaged SmolLM2 and once on a tiny random Llama (with
+a Qwen3-style thinking chat template and --reasoning-parser qwen3)."""
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,8 @@ import openai
 import psutil
 import pytest
 
+from engine.frontend.tokenizer import load_tokenizer
+from engine.models.model_files import ModelSource
 from tests.cluster.remote_server import RemoteServer
 from tests.model.tiny_models import write_tiny_model
 
@@ -26,6 +30,26 @@ SERVER_FLAGS = [
 ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--max-num-seqs", "64"]
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
+# Qwen3's chat format with its thinking switch turned around: the template closes the reasoning in
+# the prompt (`<think>\n\n</think>\n\n`, as Qwen3's does for enable_thinking false) unless the
+# request's chat_template_kwargs turn thinking on, so the module's other chat tests get all of the
+# output as content with the reasoning parser on.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is not defined or not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+REASONING_FLAGS = ["--reasoning-parser", "qwen3"]
+
+
+def write_thinking_model(folder: Path) -> Path:
+    """The tiny random Llama with THINKING_TEMPLATE as its chat template."""
+    model = write_tiny_model(folder)
+    tokenizer = load_tokenizer(ModelSource(model, "hf"))
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(model)
+    return model
 
 
 @pytest.fixture(scope="module", params=["smollm2", "tiny-llama"])
@@ -33,7 +57,11 @@ def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RemoteServer]:
     folder: Path = tmp_path_factory.mktemp(request.param)
-    model = [] if request.param == "smollm2" else ["--model", str(write_tiny_model(folder / "model"))]
+    model = (
+        []
+        if request.param == "smollm2"
+        else ["--model", str(write_thinking_model(folder / "model")), *REASONING_FLAGS]
+    )
     server = RemoteServer(
         [*model, *SERVER_FLAGS, *ENGINE_FLAGS, "--max-model-len", str(MAX_MODEL_LEN)], folder / "server.log"
     )
@@ -92,6 +120,33 @@ def test_chat_stream_matches_the_whole(server: RemoteServer, client: openai.Open
     assert chunks[-1].usage.model_copy(update={"prompt_tokens_details": None}) == whole.usage.model_copy(
         update={"prompt_tokens_details": None}
     )
+
+
+def test_reasoning_is_split_from_the_content(server: RemoteServer, client: openai.OpenAI) -> None:
+    """The grammar makes the random model write `<think>…</think>answer`; the reply carries the two
+    parts apart, whole and streamed, and the tags in neither. With thinking left off, the template
+    closed the reasoning in the prompt, and the same text is all content."""
+    if REASONING_FLAGS[0] not in server.process.args:
+        pytest.skip("only the tiny model's server runs with a reasoning parser")
+    think = r"<think>[a-z]{2,5} [a-z]{2,5}</think>[a-z]{2,5} [a-z]{2,5}"
+    settings = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 64, "temperature": 0.0}
+    on = {"structured_outputs": {"regex": think}, "chat_template_kwargs": {"enable_thinking": True}}
+    whole = client.chat.completions.create(**settings, extra_body=on)
+    message = whole.choices[0].message
+    reasoning = message.model_extra["reasoning"]
+    assert re.fullmatch(think, f"<think>{reasoning}</think>{message.content}"), (reasoning, message.content)
+    assert message.model_extra["reasoning_content"] == reasoning
+
+    chunks = list(client.chat.completions.create(**settings, extra_body=on, stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(delta.model_extra.get("reasoning") or "" for delta in deltas) == reasoning
+    assert "".join(delta.content or "" for delta in deltas) == message.content
+
+    off = client.chat.completions.create(**settings, extra_body={"structured_outputs": {"regex": think}})
+    assert re.fullmatch(think, off.choices[0].message.content)
+    assert off.choices[0].message.model_extra["reasoning"] is None
+    # chat_template_kwargs reached the template: thinking off adds `<think>\n\n</think>\n\n` to the prompt.
+    assert off.usage.prompt_tokens > whole.usage.prompt_tokens
 
 
 def test_n2_streams_tag_choices_and_match_seeded_whole(client: openai.OpenAI) -> None:

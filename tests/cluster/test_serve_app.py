@@ -19,9 +19,10 @@ import yaml
 from ray.cluster_utils import Cluster
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.cli import main
+from cluster.cli import build_parser, main
 from cluster.serve import proxy_mode
 from cluster.serve.args import parse_app_args, parse_app_models
+from cluster.serve.command import app_args
 from cluster.serve_app import build_app, llm_server_options, required_cpus
 from tests.cluster.local_ray_cluster import local_cluster
 from tests.cluster.remote_server import REPO_ROOT, RemoteServer
@@ -96,6 +97,13 @@ def test_app_args_override_the_engine_file_and_name_bad_keys() -> None:
         parse_app_args({"config": str(engine_file), "max_num_seqs": 0})
     with pytest.raises(ValueError, match="health_check_period_s"):
         parse_app_args({"health_check_period_s": -1})
+
+
+def test_reasoning_parser_is_a_serve_flag_and_an_app_key() -> None:
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "qwen3"])
+    assert parse_app_args(app_args(args, {})).server.reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; known parsers: deepseek_r1, qwen3"):
+        parse_app_args({"reasoning_parser": "r1"})
 
 
 def test_ray_backend_reserves_one_bundle_per_worker_with_the_replica_in_the_first() -> None:

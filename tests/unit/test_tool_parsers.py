@@ -16,7 +16,7 @@ from cluster.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 from cluster.openai.tool_parsers.base import StreamDelta, ToolCallStream, ToolParser
 from cluster.openai.tool_parsers.hermes import START as HERMES_START
 from cluster.openai.tool_parsers.mistral import MARKER as MISTRAL_MARKER
-from tests.unit.smollm2_tokens import encode
+from tests.unit.smollm2_tokens import random_chunks, token_pieces
 
 CALL_ID = re.compile(r"call_[A-Za-z0-9]{24}")
 
@@ -274,32 +274,6 @@ def rebuild(deltas: list[StreamDelta]) -> tuple[str, list[dict[str, str]]]:
                 assert piece.id is None and piece.name is None
             calls[piece.index]["arguments"] += piece.arguments
     return content, calls
-
-
-def random_chunks(text: str, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    pieces, pos = [], 0
-    while pos < len(text):
-        size = rng.randint(0, 7)
-        pieces.append(text[pos : pos + size])
-        pos += size
-    return pieces
-
-
-def token_pieces(tok: Tokenizer, text: str) -> list[str]:
-    """The text as a detokenizer streams it: the growth of the decoded prefix, token by token (a
-    prefix ending inside a character's bytes waits for the next token)."""
-    ids = encode(tok, text)
-    pieces, previous = [], ""
-    for i in range(len(ids)):
-        current = tok.decode(ids[: i + 1])
-        if current.endswith("\ufffd"):
-            continue
-        assert current.startswith(previous)
-        pieces.append(current[len(previous) :])
-        previous = current
-    assert previous == text
-    return pieces
 
 
 def check_stream_matches_extraction(case: Case, pieces: list[str]) -> None:
