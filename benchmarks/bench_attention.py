@@ -30,13 +30,14 @@ from torch.utils import benchmark
 
 from kernels.attention.cpu_paged import amx_serves, cpu_paged_attention, decode_in_place
 from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.params import AttentionParams
 from kernels.attention.sdpa import decode_padded_runs, sdpa_attention
 from kernels.build import cpu_kernels_available
 from kernels.cache_ops import reshape_and_cache
 from kernels.huge_pages import zeros_on_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-SCALE = HEAD_DIM**-0.5
+PARAMS = AttentionParams(HEAD_DIM**-0.5)
 
 PREFILLS = {
     "16 x 128 fresh": [(0, 128)] * 16,
@@ -99,10 +100,16 @@ def every_layer(attend: Callable[[torch.Tensor], object], caches: list[torch.Ten
 
 
 def paged_decode_in_place(
-    out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    params: AttentionParams,
 ) -> None:
     """Decodes through the kernel the AMX one replaced."""
-    torch.ops.raypage.paged_decode_attention(out, query, kv_cache, meta.block_table, meta.seq_lens, scale)
+    torch.ops.raypage.paged_decode_attention(
+        out, query, kv_cache, meta.block_table, meta.seq_lens, params.scale
+    )
 
 
 def rows_as_sequences(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,14 +131,14 @@ def paged_decode_rows(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    params: AttentionParams,
 ) -> torch.Tensor:
     """A step through the decode kernel alone, every row a one-token sequence (what the tiled and AMX
     kernels replaced)."""
     reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
     out = torch.empty_like(query)
     block_table, lengths = rows_as_sequences(meta)
-    torch.ops.raypage.paged_decode_attention(out, query, kv_cache, block_table, lengths, scale)
+    torch.ops.raypage.paged_decode_attention(out, query, kv_cache, block_table, lengths, params.scale)
     return out
 
 
@@ -163,14 +170,14 @@ def time_batch(specs: list[tuple[int, int]], prefill: bool, args: argparse.Names
             "paged_decode": paged_decode_rows,
         }
         steps = {
-            name: lambda cache, f=f: f(query, key, value, cache, meta, SCALE) for name, f in backends.items()
+            name: lambda cache, f=f: f(query, key, value, cache, meta, PARAMS) for name, f in backends.items()
         }
     else:
         out = torch.empty_like(query)
         backends = {"sdpa": decode_padded_runs, "cpu_paged": decode_in_place}
         if replaced:
             backends["paged_decode"] = paged_decode_in_place
-        steps = {name: lambda cache, f=f: f(out, query, cache, meta, SCALE) for name, f in backends.items()}
+        steps = {name: lambda cache, f=f: f(out, query, cache, meta, PARAMS) for name, f in backends.items()}
     calls = {name: lambda step=step: every_layer(step, caches) for name, step in steps.items()}
     return time_calls(calls, args.threads, args.rounds, layers)
 

@@ -140,7 +140,7 @@ def check_backends(
     """Each named backend against the reference on one mixed batch; a backend that cannot run here
     reports why instead. Real sizes: Llama-3-8B's 32 heads over 8 KV heads of 128, 64 decodes of
     1-4k context, a fresh 2k prefill and a 512-token chunk over a 1k prefix."""
-    from kernels.attention import get_attention_backend
+    from kernels.attention import AttentionParams, get_attention_backend
     from kernels.attention.flash_attn import FLASH_ATTN_PAGE_MULTIPLE
     from kernels.attention.reference import reference_attention
     from tests.kernels.random_batch import random_paged_batch
@@ -162,11 +162,13 @@ def check_backends(
             results[name] = {"status": "unavailable", "reason": str(exc)}
             continue
         batch = random_paged_batch(specs, block_size=block_size, dtype=dtype, device=device, **dims)
-        scale = dims["head_dim"] ** -0.5
+        params = AttentionParams(dims["head_dim"] ** -0.5)
         expected_cache = batch.kv_cache.clone()
-        expected = reference_attention(batch.query, batch.key, batch.value, expected_cache, batch.meta, scale)
+        expected = reference_attention(
+            batch.query, batch.key, batch.value, expected_cache, batch.meta, params
+        )
         try:
-            out = backend(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, scale)
+            out = backend(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, params)
         except (RuntimeError, ImportError) as exc:
             results[name] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
             continue

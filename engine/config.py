@@ -156,6 +156,11 @@ class ParallelConfig(_Section):
     pipeline_partition: list[int] | None = Field(
         None, description="Layers per pipeline stage, first to last; None splits them evenly"
     )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="Mixture-of-experts models: each tensor-parallel worker holds whole experts (a "
+        "tensor_parallel_size-th of them) instead of a slice of every expert",
+    )
     ray_address: str | None = Field(
         None,
         description="Ray cluster the ray executor joins ('auto', or host:port); None joins a running "

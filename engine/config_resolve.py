@@ -8,7 +8,6 @@ workers) reads it from there.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -17,8 +16,6 @@ from engine.config import EngineConfig, ResolvedEngineConfig, ResolvedModelConfi
 from engine.models.arch_config import ArchConfig
 from engine.models.model_files import read_arch_config, resolve_model_source, valid_tensor_parallel_sizes
 from parallel.pipeline import partition_layers
-
-logger = logging.getLogger(__name__)
 
 
 def resolve_engine_config(config: EngineConfig) -> ResolvedEngineConfig:
@@ -69,11 +66,6 @@ def resolve_dtype(setting: str, checkpoint_dtype: str | None, device: str) -> st
 def resolve_max_model_len(setting: int | None, arch: ArchConfig, source: str) -> int:
     """The asked-for context, else the model's; longer than the model's is an error."""
     derived_len = arch.max_context
-    if arch.sliding_window and arch.sliding_window < derived_len:
-        logger.warning(
-            "sliding-window attention is not implemented: capping the context at %d", arch.sliding_window
-        )
-        derived_len = arch.sliding_window
     max_model_len = setting or derived_len
     if max_model_len > derived_len:
         raise ValueError(
@@ -93,6 +85,7 @@ def check_parallel_layout(config: EngineConfig, arch: ArchConfig, device: str) -
             f"{arch.architecture} has {arch.num_heads} attention heads and {arch.num_kv_heads} KV heads: "
             f"tensor_parallel_size must be {', '.join(map(str, valid[:-1]))} or {valid[-1]}, got {tp}"
         )
+    check_expert_layout(parallel.enable_expert_parallel, tp, arch)
     if pp > arch.num_layers:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {arch.num_layers} layers")
     partition_layers(arch.num_layers, pp, parallel.pipeline_partition)
@@ -107,4 +100,23 @@ def check_parallel_layout(config: EngineConfig, arch: ArchConfig, device: str) -
         raise ValueError(
             f"tensor_parallel_size x pipeline_parallel_size = {tp * pp} workers, but this machine has "
             f"{slots} {what}"
+        )
+
+
+def check_expert_layout(expert_parallel: bool, tp: int, arch: ArchConfig) -> None:
+    """A mixture of experts splits each expert's intermediate size over the TP ranks, or under
+    expert parallelism its experts: either must divide evenly."""
+    if not arch.num_experts:
+        if expert_parallel:
+            raise ValueError(f"enable_expert_parallel: {arch.architecture} is not a mixture of experts")
+        return
+    if expert_parallel and arch.num_experts % tp:
+        raise ValueError(
+            f"enable_expert_parallel: {arch.architecture}'s {arch.num_experts} experts do not split evenly "
+            f"over tensor_parallel_size {tp}"
+        )
+    if not expert_parallel and arch.moe_intermediate_size % tp:
+        raise ValueError(
+            f"{arch.architecture}'s expert intermediate size {arch.moe_intermediate_size} does not split "
+            f"evenly over tensor_parallel_size {tp}; enable_expert_parallel splits the experts instead"
         )

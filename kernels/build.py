@@ -36,6 +36,7 @@ SOURCES = [
         "tiled_attention.cpp",
         "decoder_layer.cpp",
         "token_bitmask.cpp",
+        "moe.cpp",
     )
 ]
 # Every header in csrc, hashed with the sources that include them: a change to one builds a new library.

@@ -24,6 +24,9 @@ class ParallelState:
     pp_size: int = 1
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
+    # Mixture-of-experts layers split their experts over the TP group instead of each expert's
+    # weights (engine/models/moe.py).
+    enable_expert_parallel: bool = False
 
     @property
     def rank(self) -> int:
@@ -60,6 +63,7 @@ def init_model_parallel(
     rank: int,
     init_method: str | None = None,
     device: torch.device | None = None,
+    enable_expert_parallel: bool = False,
 ) -> ParallelState:
     """Join the world (when it has more than one rank) and build the TP and PP groups.
 
@@ -95,7 +99,9 @@ def init_model_parallel(
             group = dist.new_group(ranks)
             if rank in ranks:
                 pp_group = group
-    _state = ParallelState(rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group, pp_group)
+    _state = ParallelState(
+        rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group, pp_group, enable_expert_parallel
+    )
     return _state
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.models.rope import rope_angles
+from kernels.attention import AttentionParams
 from kernels.fused_ops import add_rms_norm, rms_norm, rotary_embedding
 from parallel.layers import default_weight_loader
 
@@ -83,6 +84,8 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         # Scores become cap * tanh(score / cap) before the softmax (Gemma 2).
         self.logits_soft_cap = logits_soft_cap
+        # What every backend call takes (made once: the layer's constants never change).
+        self.params = AttentionParams(self.scale, sliding_window, logits_soft_cap)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         context = get_forward_context()
@@ -92,6 +95,6 @@ class PagedAttention(nn.Module):
             v.view(-1, self.num_kv_heads, self.head_dim),
             context.kv_caches[self.layer_index],
             context.attn_metadata,
-            self.scale,
+            self.params,
         )
         return out.reshape(-1, self.num_heads * self.head_dim)

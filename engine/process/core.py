@@ -18,6 +18,7 @@ from engine.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from engine.sched.kv_cache_manager import freeing_window
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from engine.structured.manager import StructuredOutputManager
@@ -48,7 +49,14 @@ class EngineCore:
             max_model_len,
             num_blocks * block_size / max_model_len,
         )
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, max_model_len, num_cpu_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            max_model_len,
+            num_cpu_blocks,
+            freeing_window(config.model.hf_config.layer_windows),
+        )
         # Steps sent to the workers and not yet turned into outputs, oldest first.
         self.batch_queue: collections.deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = (
             collections.deque()

@@ -1,9 +1,17 @@
 """Per-sequence block tables over the block pool: prefix lookup, on-demand allocation, copy-on-write,
-forks, swapping to a CPU pool, and immediate free.
+forks, swapping to a CPU pool, immediate free, and sliding windows.
 
 Checks never mutate: `get_computed_blocks` and `num_blocks_needed` only look, and `allocate_slots`
 (and `allocate_group`, for the sequences of one request at once) decides whether the sequences fit
 before it takes anything, returning None (and changing nothing) when they do not.
+
+Sliding windows (vLLM's SlidingWindowManager): when every layer of the model slides, a query at
+position p sees no key before p - window + 1, so a block wholly before the first key that a
+sequence's next token sees is dead for good. `free_blocks_outside_window` returns such blocks to the
+pool as the sequence grows (their hashes stay: a later prompt with that prefix may still hit them)
+and leaves `null_block` at their places in the table, so that positions keep their indices. The
+workers are not told: their copies of those entries keep the old ids, which no kernel reads (every
+backend starts at the block holding a query's first visible key), as in vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +26,15 @@ from engine.sched.request import Sequence
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def freeing_window(layer_windows: Iterable[int | None]) -> int | None:
+    """The window past which a sequence's blocks may be freed: the widest layer's when every layer
+    slides; None (free nothing early) when any layer sees the whole sequence."""
+    windows = list(layer_windows)
+    if not windows or None in windows:
+        return None
+    return max(window for window in windows if window is not None)
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,13 +59,27 @@ class SlotAllocation:
 
 
 class KVCacheManager:
-    """Maps each sequence to its list of physical blocks (its block table)."""
+    """Maps each sequence to its list of physical blocks (its block table).
+
+    `sliding_window` (`freeing_window` of the model's layers): every layer sees at most that many
+    tokens back, so the blocks before it are freed as sequences grow; None keeps every block.
+    """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_cpu_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        # Stands in a table for a block freed outside the window: outside the pool, never taken,
+        # freed, published or swapped. Its id is only a placeholder in the tables sent to workers
+        # (after a swap-in): no kernel reads a block outside the window.
+        self.null_block = KVCacheBlock(0)
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks else None
         # Keyed by seq_id: each sequence's block table, and the chain hashes of its full blocks.
@@ -75,7 +106,7 @@ class KVCacheManager:
 
     def num_logical_blocks(self, seqs: Iterable[Sequence]) -> int:
         """Blocks the sequences' tables point to, a shared block counted once per table."""
-        return sum(len(self.seq_block_tables.get(seq.seq_id, ())) for seq in seqs)
+        return sum(len(self._held(self.seq_block_tables.get(seq.seq_id, []))) for seq in seqs)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (and nothing forgotten) while a sequence holds blocks."""
@@ -185,10 +216,26 @@ class KVCacheManager:
         self.block_pool.free_blocks(pinned)
         return allocations
 
+    def free_blocks_outside_window(self, seq: Sequence) -> None:
+        """Release the leading blocks that no query of the sequence will see again: those wholly
+        before the first key its next token (at num_computed_tokens) sees. Only when every layer
+        slides; the freed places in the table become `null_block`."""
+        blocks = self.seq_block_tables.get(seq.seq_id)
+        if self.sliding_window is None or not blocks:
+            return
+        first_visible = max(seq.num_computed_tokens - self.sliding_window + 1, 0)
+        freed = []
+        for index in reversed(range(min(first_visible // self.block_size, len(blocks)))):
+            if blocks[index] is self.null_block:
+                break  # freed at an earlier step, with every block before it
+            freed.append(blocks[index])
+            blocks[index] = self.null_block
+        self.block_pool.free_blocks(freed)  # tail first, as `free` does
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent` (by reference count)."""
         blocks = self.seq_block_tables[parent.seq_id]
-        self.block_pool.touch(blocks)
+        self.block_pool.touch(self._held(blocks))
         self.seq_block_tables[child.seq_id] = list(blocks)
         self.seq_block_hashes[child.seq_id] = list(self.seq_block_hashes.get(parent.seq_id, []))
         self.num_cached_blocks[child.seq_id] = self.num_cached_blocks.get(parent.seq_id, 0)
@@ -196,11 +243,11 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks, tail first, so that a shared prefix's head is evicted last."""
         blocks = self.seq_block_tables.pop(seq.seq_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(self._held(blocks)))
         self.num_cached_blocks.pop(seq.seq_id, None)
         swapped = self.swapped_blocks.pop(seq.seq_id, None)
         if swapped and self.cpu_pool is not None:
-            self.cpu_pool.free_blocks(reversed(swapped))
+            self.cpu_pool.free_blocks(reversed(self._held(swapped)))
 
     def forget(self, seq: Sequence) -> None:
         """Drop the hashes kept for a sequence that will not come back."""
@@ -209,7 +256,8 @@ class KVCacheManager:
     # ---- swapping ------------------------------------------------------------------------------
 
     def can_swap_out(self, seqs: Iterable[Sequence]) -> bool:
-        blocks = {block.block_id for seq in seqs for block in self.seq_block_tables.get(seq.seq_id, ())}
+        tables = (self.seq_block_tables.get(seq.seq_id, []) for seq in seqs)
+        blocks = {block.block_id for table in tables for block in self._held(table)}
         return self.cpu_pool is not None and len(blocks) <= self.cpu_pool.num_free_blocks
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
@@ -217,7 +265,8 @@ class KVCacheManager:
         return self._move(seqs, self.seq_block_tables, self.swapped_blocks, self.block_pool, self.cpu_pool)
 
     def can_swap_in(self, seqs: Iterable[Sequence]) -> bool:
-        blocks = {block.block_id for seq in seqs for block in self.swapped_blocks.get(seq.seq_id, ())}
+        tables = (self.swapped_blocks.get(seq.seq_id, []) for seq in seqs)
+        blocks = {block.block_id for table in tables for block in self._held(table)}
         return len(blocks) <= self.block_pool.num_free_blocks
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
@@ -226,8 +275,8 @@ class KVCacheManager:
             self.num_cached_blocks[seq.seq_id] = 0  # fresh blocks: offer them to the prefix cache again
         return self._move(seqs, self.swapped_blocks, self.seq_block_tables, self.cpu_pool, self.block_pool)
 
-    @staticmethod
     def _move(
+        self,
         seqs: list[Sequence],
         source_tables: dict[str, list[KVCacheBlock]],
         target_tables: dict[str, list[KVCacheBlock]],
@@ -240,16 +289,23 @@ class KVCacheManager:
         for seq in seqs:
             table = []
             for block in source_tables[seq.seq_id]:
+                if block is self.null_block:
+                    table.append(block)  # freed outside the window: nothing to move
+                    continue
                 if block.block_id in moved:
                     target_pool.touch([moved[block.block_id]])  # shared before, shared after
                 else:
                     (moved[block.block_id],) = target_pool.get_new_blocks(1)
                 table.append(moved[block.block_id])
-            source_pool.free_blocks(reversed(source_tables.pop(seq.seq_id)))
+            source_pool.free_blocks(reversed(self._held(source_tables.pop(seq.seq_id))))
             target_tables[seq.seq_id] = table
         return [(source, target.block_id) for source, target in moved.items()]
 
     # ---- helpers -------------------------------------------------------------------------------
+
+    def _held(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """A table's blocks without the places freed outside the window."""
+        return [block for block in blocks if block is not self.null_block]
 
     def _needs_copy_on_write(self, seq: Sequence) -> bool:
         blocks = self.seq_block_tables.get(seq.seq_id)
@@ -272,5 +328,6 @@ class KVCacheManager:
         hashes = self._block_hashes(seq)
         blocks = self.seq_block_tables[seq.seq_id]
         for index in range(start, num_full):
-            self.block_pool.cache_block(blocks[index], hashes[index])
+            if blocks[index] is not self.null_block:  # (a swapped-in table offers its blocks again)
+                self.block_pool.cache_block(blocks[index], hashes[index])
         self.num_cached_blocks[seq.seq_id] = num_full

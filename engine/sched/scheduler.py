@@ -60,14 +60,20 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         num_cpu_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.preemption_mode = scheduler_config.preemption_mode
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
+        # `sliding_window`: the window past which blocks are freed (`freeing_window`), or None.
         self.kv_cache_manager = KVCacheManager(
-            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching, num_cpu_blocks
+            num_kv_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            num_cpu_blocks,
+            sliding_window,
         )
         # A sequence never holds more tokens than the whole cache: it stops there, cut by length.
         self.max_seq_len = min(max_model_len, num_kv_blocks * cache_config.block_size)
@@ -201,6 +207,9 @@ class Scheduler:
         A sequence holding no blocks (new, or preempted for recompute) first takes its cached prefix.
         Without `may_preempt` (admission, resumption) the request only runs if it fits as things are.
         """
+        for seq in request.live_seqs:
+            # Blocks no query will see again go back first: this step's allocation may reuse them.
+            self.kv_cache_manager.free_blocks_outside_window(seq)
         self.groups.fork_if_ready(request)
         wants = self._wants(request, plan.budget)
         if not wants:

@@ -71,6 +71,7 @@ class Worker:
             self.rank,
             self.distributed_init_method,
             self.device,
+            parallel.enable_expert_parallel,
         )
         self.model_runner = ModelRunner(self.config, self.device)
 

@@ -4,16 +4,19 @@ Which kernel attends which rows of a batch is decided in one place, `cpu_attenti
 table `CPU_ATTENTION_PATHS`: its rows are tried in order for the batch's decode rows and for its
 prefill rows, and the first whose condition holds is taken.
 
-| path           | taken where                                                                      |
-| -------------- | -------------------------------------------------------------------------------- |
-| sdpa           | the tensors are off the CPU                                                      |
-| amx            | amx_serves: a bf16 cache, AMX-BF16, a head and block size it is built for        |
-| cascade_decode | decode rows; tiled_serves, and cascade_blocks: enough decodes share a prefix     |
-| paged_decode   | every other decode row                                                           |
-| tiled_prefill  | prefill rows; tiled_serves: a bf16 cache, AVX-512 BF16, a shape it is built for  |
-| sdpa_prefill   | every other prefill row (other dtypes, CPUs and shapes)                          |
+| path           | taken where                                                                        |
+| -------------- | ---------------------------------------------------------------------------------- |
+| sdpa           | the tensors are off the CPU                                                        |
+| amx            | a plain layer; amx_serves: a bf16 cache, AMX-BF16, a head and block size it serves |
+| cascade_decode | decode rows of a plain layer; tiled_serves, and cascade_blocks: a shared prefix    |
+| paged_decode   | every other decode row                                                             |
+| tiled_prefill  | prefill rows; tiled_serves: a bf16 cache, AVX-512 BF16, a shape it is built for    |
+| sdpa_prefill   | every other prefill row (other dtypes, CPUs and shapes)                            |
 
 sdpa and amx take the whole batch, decodes and prefill chunks in one; the others one kind of row.
+A plain layer has neither a sliding window nor a soft cap (`AttentionParams.plain`): paged_decode,
+tiled_prefill and the sdpa paths honour both natively, the decode kernel starting at the block that
+holds each row's first visible key; amx and cascade_decode are for plain layers only.
 
 - sdpa: the sdpa backend (kernels/attention/sdpa.py), decodes in padded runs and SDPA per chunk.
 - amx: `torch.ops.raypage.amx_paged_attention` (kernels/csrc/amx_attention.cpp; head_dim 32, 64, 96
@@ -56,6 +59,7 @@ import torch
 from torch import Tensor
 
 from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.params import AttentionParams
 from kernels.attention.sdpa import decode_padded_runs, prefill_per_chunk, sdpa_attention
 from kernels.cache_ops import reshape_and_cache
 
@@ -104,12 +108,14 @@ Rows = Literal["decode", "prefill"]
 
 @dataclasses.dataclass(frozen=True)
 class BatchRows:
-    """What a path's condition reads: which rows of the batch are being routed, and the batch."""
+    """What a path's condition reads: which rows of the batch are being routed, the batch, and how
+    the layer attends."""
 
     rows: Rows
     query: Tensor
     kv_cache: Tensor
     meta: AttentionMetadata
+    params: AttentionParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,13 +132,18 @@ CPU_ATTENTION_PATHS: tuple[CpuAttentionPath, ...] = (
     CpuAttentionPath("sdpa", "the tensors are off the CPU", lambda b: not b.query.is_cpu),
     CpuAttentionPath(
         "amx",
-        "amx_serves: a bf16 cache, AMX-BF16, a head and block size it is built for",
-        lambda b: amx_serves(b.kv_cache),
+        "a plain layer; amx_serves: a bf16 cache, AMX-BF16, a head and block size it serves",
+        lambda b: b.params.plain and amx_serves(b.kv_cache),
     ),
     CpuAttentionPath(
         "cascade_decode",
-        "decode rows; tiled_serves, and cascade_blocks: enough decodes share a prefix",
-        lambda b: b.rows == "decode" and tiled_serves(b.query, b.kv_cache) and cascade_blocks(b.meta) > 0,
+        "decode rows of a plain layer; tiled_serves, and cascade_blocks: a shared prefix",
+        lambda b: (
+            b.rows == "decode"
+            and b.params.plain
+            and tiled_serves(b.query, b.kv_cache)
+            and cascade_blocks(b.meta) > 0
+        ),
     ),
     CpuAttentionPath("paged_decode", "every other decode row", lambda b: b.rows == "decode"),
     CpuAttentionPath(
@@ -148,23 +159,33 @@ CPU_ATTENTION_PATHS: tuple[CpuAttentionPath, ...] = (
 )
 
 
-def cpu_attention_path(rows: Rows, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> str:
+def cpu_attention_path(
+    rows: Rows, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, params: AttentionParams
+) -> str:
     """The name of the path that attends the batch's `rows` (the first row of CPU_ATTENTION_PATHS
     whose condition holds); "sdpa" and "amx" take the whole batch."""
-    batch = BatchRows(rows, query, kv_cache, meta)
+    batch = BatchRows(rows, query, kv_cache, meta, params)
     return next(path.name for path in CPU_ATTENTION_PATHS if path.applies(batch))
 
 
-def _amx_decodes(out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> None:
+def _amx_decodes(
+    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, params: AttentionParams
+) -> None:
     num_decodes = meta.num_decodes
     starts = meta.query_start_loc_tensor[: num_decodes + 1]  # 0, 1, ...: one row per decode
     torch.ops.raypage.amx_paged_attention(
-        out, query, kv_cache, meta.block_table[:num_decodes], meta.seq_lens[:num_decodes], starts, scale
+        out,
+        query,
+        kv_cache,
+        meta.block_table[:num_decodes],
+        meta.seq_lens[:num_decodes],
+        starts,
+        params.scale,
     )
 
 
 def _cascade_decodes(
-    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, params: AttentionParams
 ) -> None:
     num_decodes = meta.num_decodes
     torch.ops.raypage.cascade_decode_attention(
@@ -174,21 +195,28 @@ def _cascade_decodes(
         meta.block_table[:num_decodes],
         meta.seq_lens[:num_decodes],
         cascade_blocks(meta),
-        scale,
+        params.scale,
     )
 
 
 def _paged_decodes(
-    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, params: AttentionParams
 ) -> None:
     num_decodes = meta.num_decodes
     torch.ops.raypage.paged_decode_attention(
-        out, query, kv_cache, meta.block_table[:num_decodes], meta.seq_lens[:num_decodes], scale
+        out,
+        query,
+        kv_cache,
+        meta.block_table[:num_decodes],
+        meta.seq_lens[:num_decodes],
+        params.scale,
+        window=params.window_or_zero,
+        soft_cap=params.soft_cap_or_zero,
     )
 
 
-# The decode rows' paths: (out, query, kv_cache, meta, scale) over the batch's leading decode rows.
-_DECODE_PATHS: dict[str, Callable[[Tensor, Tensor, Tensor, AttentionMetadata, float], None]] = {
+# The decode rows' paths: (out, query, kv_cache, meta, params) over the batch's leading decode rows.
+_DECODE_PATHS: dict[str, Callable[[Tensor, Tensor, Tensor, AttentionMetadata, AttentionParams], None]] = {
     "sdpa": decode_padded_runs,
     "amx": _amx_decodes,
     "cascade_decode": _cascade_decodes,
@@ -203,7 +231,7 @@ def _tiled_prefills(
     value: Tensor,
     kv_cache: Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    params: AttentionParams,
 ) -> None:
     decodes = meta.num_decodes
     # The decodes' offsets sliced off: each prefill sequence's rows, as rows of `query`.
@@ -214,14 +242,16 @@ def _tiled_prefills(
         meta.block_table[decodes:],
         meta.seq_lens[decodes:],
         meta.query_start_loc_tensor[decodes:],
-        scale,
+        params.scale,
+        window=params.window_or_zero,
+        soft_cap=params.soft_cap_or_zero,
     )
 
 
-# The prefill rows' paths: (out, query, key, value, kv_cache, meta, scale) over the whole batch's
+# The prefill rows' paths: (out, query, key, value, kv_cache, meta, params) over the whole batch's
 # tensors, writing the prefill rows of `out`.
 _PREFILL_PATHS: dict[
-    str, Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, float], None]
+    str, Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, AttentionParams], None]
 ] = {
     "tiled_prefill": _tiled_prefills,
     "sdpa_prefill": prefill_per_chunk,
@@ -229,31 +259,37 @@ _PREFILL_PATHS: dict[
 
 
 def decode_in_place(
-    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, params: AttentionParams
 ) -> None:
     """The decode rows alone (query[:num_decodes]) into `out`, by the path the table picks for them
     (python -m benchmarks.bench_attention times this)."""
-    _DECODE_PATHS[cpu_attention_path("decode", query, kv_cache, meta)](out, query, kv_cache, meta, scale)
+    path = cpu_attention_path("decode", query, kv_cache, meta, params)
+    _DECODE_PATHS[path](out, query, kv_cache, meta, params)
 
 
 def cpu_paged_attention(
-    query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    params: AttentionParams,
 ) -> Tensor:
     """Needs `kernels.build.cpu_kernels_available()` first, for tensors on the CPU."""
-    decode_path = cpu_attention_path("decode", query, kv_cache, meta)
+    decode_path = cpu_attention_path("decode", query, kv_cache, meta, params)
     if decode_path == "sdpa":
-        return sdpa_attention(query, key, value, kv_cache, meta, scale)
+        return sdpa_attention(query, key, value, kv_cache, meta, params)
     reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
     out = torch.empty_like(query)
     if decode_path == "amx":
         torch.ops.raypage.amx_paged_attention(
-            out, query, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc_tensor, scale
+            out, query, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc_tensor, params.scale
         )
         return out
     decodes = meta.num_decodes
     if decodes:
-        _DECODE_PATHS[decode_path](out[:decodes], query[:decodes], kv_cache, meta, scale)
+        _DECODE_PATHS[decode_path](out[:decodes], query[:decodes], kv_cache, meta, params)
     if decodes < meta.num_seqs:
-        prefill_path = cpu_attention_path("prefill", query, kv_cache, meta)
-        _PREFILL_PATHS[prefill_path](out, query, key, value, kv_cache, meta, scale)
+        prefill_path = cpu_attention_path("prefill", query, kv_cache, meta, params)
+        _PREFILL_PATHS[prefill_path](out, query, key, value, kv_cache, meta, params)
     return out

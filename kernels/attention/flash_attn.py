@@ -15,6 +15,10 @@ Its paged KV needs a block size that is a multiple of 256 (the docstring of flas
 and the check in its `mha_fwd_kvcache`); `flash_attn_unavailable_reason` says so before a step
 runs. flash_attn is imported only when the backend runs: the CPU machine does not have it.
 
+A layer's sliding window and soft cap are flash-attn's own `window_size=(window - 1, 0)` (a query
+sees itself and the window - 1 keys before it; flash-attn skips the pages wholly before that, which
+the KV cache manager may have freed) and `softcap` (0: none), on both paths.
+
 The decode path reads only device tensors (no host lists), so a CUDA graph can capture it.
 """
 
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.params import AttentionParams
 from kernels.cache_ops import reshape_and_cache
 
 # flash-attn's paged KV cache reads pages of a multiple of this many tokens.
@@ -57,7 +62,12 @@ def _flash_attn() -> ModuleType:
 
 
 def flash_attn_attention(
-    query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    params: AttentionParams,
 ) -> Tensor:
     """Store the new keys and values, then attend decodes and prefill chunks with flash-attn."""
     reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
@@ -72,14 +82,24 @@ def flash_attn_attention(
             value_cache,
             cache_seqlens=meta.seq_lens[:num_decodes].to(torch.int32),
             block_table=meta.block_table[:num_decodes].to(torch.int32),
-            softmax_scale=scale,
             causal=True,
+            **_layer_options(params),
         )
         out[:num_decodes] = decoded.squeeze(1)
     if num_decodes < meta.num_seqs:
         first = meta.query_start_loc[num_decodes]
-        out[first:] = _prefill(fa, query, key, value, key_cache, value_cache, meta, scale)
+        out[first:] = _prefill(fa, query, key, value, key_cache, value_cache, meta, params)
     return out
+
+
+def _layer_options(params: AttentionParams) -> dict[str, object]:
+    """flash-attn's arguments for the layer's scale, sliding window and soft cap."""
+    window = params.sliding_window
+    return dict(
+        softmax_scale=params.scale,
+        window_size=(-1, -1) if window is None else (window - 1, 0),
+        softcap=params.soft_cap_or_zero,
+    )
 
 
 def _prefill(
@@ -90,7 +110,7 @@ def _prefill(
     key_cache: Tensor,
     value_cache: Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    params: AttentionParams,
 ) -> Tensor:
     """The prefill chunks (every sequence after the decodes) in one varlen call; causal is
     bottom-right aligned in flash-attn, so query row r of a chunk with context c sees keys 0..c + r."""
@@ -98,7 +118,7 @@ def _prefill(
     query_lens = [meta.query_len(i) for i in range(num_decodes, meta.num_seqs)]
     seq_lens = meta.seq_lens_list[num_decodes:]
     cu_seqlens_q = _cumulative(query_lens, query.device)
-    common = dict(softmax_scale=scale, causal=True, max_seqlen_q=max(query_lens))
+    common = dict(causal=True, max_seqlen_q=max(query_lens), **_layer_options(params))
     if query_lens == seq_lens:  # no cached context anywhere: attend over the new keys as they came
         return fa.flash_attn_varlen_func(
             query[first:],

@@ -24,15 +24,17 @@ import torch
 
 from kernels.attention.cpu_paged import cpu_paged_attention
 from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.params import AttentionParams
 from kernels.attention.reference import reference_attention
 from kernels.attention.sdpa import sdpa_attention
 from kernels.build import cpu_kernels_available
 
 logger = logging.getLogger(__name__)
 
-# (query, key, value, kv_cache, metadata, scale) -> attention output; writes key/value to the cache.
+# (query, key, value, kv_cache, metadata, the layer's params) -> attention output; writes key/value
+# to the cache.
 AttentionBackend = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, AttentionParams], torch.Tensor
 ]
 
 BACKEND_ENV = "RAYPAGE_ATTENTION_BACKEND"

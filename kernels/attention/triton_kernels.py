@@ -10,6 +10,11 @@ KV head (GQA without repeating K/V). It walks the keys up to its last token's po
 tokens per step whatever the block size (each key's block looked up in the table), with an online
 softmax in float32 (exp2, the scale folded into log2 units).
 
+A sliding window (window > 0) starts a program's walk at the key tile holding its first token's
+first visible key, and loads no key before that one (the blocks wholly before it may have been
+freed); each row then masks the keys before its own window. A soft cap (SOFT_CAP) turns the scores
+into cap * tanh(score / cap) before masking, in the same log2 units (cap * LOG2E is passed).
+
 Split-K (vLLM's PagedAttention v2): with num_splits > 1 a program takes only its share of the
 key tiles and leaves a partial output, its running maximum and its sum of exponentials; a second
 kernel merges the splits. Decodes of a few long sequences then still fill the GPU. The share is
@@ -41,6 +46,8 @@ def paged_attention_kernel(
     partial_max_ptr,
     partial_sum_ptr,
     scale_log2,
+    window,
+    soft_cap_log2,
     first_seq,
     num_splits,
     stride_q_token,
@@ -59,6 +66,7 @@ def paged_attention_kernel(
     KEY_TILE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     tile = tl.program_id(1)
@@ -85,13 +93,17 @@ def paged_attention_kernel(
         other=0.0,
     )
     query_positions = context + tokens
+    # Each row sees keys from its first visible one (its window's start, else 0) to its own.
+    row_starts = tl.where(window > 0, query_positions - window + 1, 0)
 
-    # Keys up to the tile's last token (none for a tile past this sequence's new tokens), in tiles of
-    # KEY_TILE tokens, this split's share of them.
+    # Keys from the tile's first token's first visible one up to its last token (none for a tile
+    # past this sequence's new tokens), in tiles of KEY_TILE tokens, this split's share of them.
     tile_end = tl.minimum(context + (tile + 1) * BLOCK_Q, seq_len)
     num_key_tiles = tl.where(tile * BLOCK_Q < query_len, tl.cdiv(tile_end, KEY_TILE), 0)
-    tiles_per_split = tl.cdiv(num_key_tiles, num_splits)
-    first_key_tile = split * tiles_per_split
+    window_start = tl.where(window > 0, tl.maximum(context + tile * BLOCK_Q - window + 1, 0), 0)
+    start_key_tile = tl.minimum(window_start // KEY_TILE, num_key_tiles)
+    tiles_per_split = tl.cdiv(num_key_tiles - start_key_tile, num_splits)
+    first_key_tile = start_key_tile + split * tiles_per_split
     last_key_tile = tl.minimum(first_key_tile + tiles_per_split, num_key_tiles)
 
     running_max = tl.full([BLOCK_Q * GROUP_POW2], float("-inf"), tl.float32)
@@ -100,7 +112,7 @@ def paged_attention_kernel(
     table_row = block_table_ptr + seq * stride_table
     for key_tile in range(first_key_tile, last_key_tile):
         positions = key_tile * KEY_TILE + tl.arange(0, KEY_TILE)
-        in_seq = positions < seq_len
+        in_seq = (positions < seq_len) & (positions >= window_start)
         # Each key's physical block, through the block table: a tile may span several blocks.
         blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
         # The cache is contiguous: [kv_heads, blocks, BLOCK_SIZE, HEAD_DIM] per key/value half.
@@ -113,8 +125,13 @@ def paged_attention_kernel(
         k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = _dot_f32(q, tl.trans(k.to(q.dtype)), FP32_DOT) * scale_log2
-        # Causal: the context and the new tokens up to the row's own.
-        scores = tl.where(positions[None, :] <= query_positions[:, None], scores, float("-inf"))
+        if SOFT_CAP:
+            scores = soft_cap_log2 * _tanh(scores / soft_cap_log2)
+        # Causal: the context and the new tokens up to the row's own, inside its window if any.
+        visible = (positions[None, :] <= query_positions[:, None]) & (
+            positions[None, :] >= row_starts[:, None]
+        )
+        scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         # A row that has seen no visible key yet (possible in a split) keeps -inf; a finite stand-in
         # for it avoids -inf - -inf (NaN) and gives correction 0 and probabilities 0.
@@ -182,6 +199,12 @@ def merge_splits_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=dims < HEAD_DIM,
     )
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from the sigmoid, which the interpreter and every GPU backend have."""
+    return 2 * tl.sigmoid(2 * x) - 1
 
 
 @triton.jit

@@ -16,6 +16,7 @@ import triton
 from torch import Tensor
 
 from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.params import AttentionParams
 from kernels.attention.triton_kernels import (
     LOG2E,
     kernels_interpreted,
@@ -58,7 +59,12 @@ def triton_unavailable_reason(device: torch.device, block_size: int) -> str | No
 
 
 def triton_attention(
-    query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    params: AttentionParams,
 ) -> Tensor:
     """Store the new keys and values, then attend the decode rows and the prefill chunks."""
     triton_reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
@@ -72,10 +78,10 @@ def triton_attention(
         # from the lengths on the device.
         capacity = meta.block_table.shape[1] * kv_cache.shape[3]
         splits = decode_num_splits(num_decodes, kv_cache.shape[1], capacity, query.device)
-        paged_attention_rows(*rows, range(num_decodes), 1, scale, splits)
+        paged_attention_rows(*rows, range(num_decodes), 1, params, splits)
     if num_decodes < meta.num_seqs:
         prefills = range(num_decodes, meta.num_seqs)
-        paged_attention_rows(*rows, prefills, max(meta.query_len(i) for i in prefills), scale)
+        paged_attention_rows(*rows, prefills, max(meta.query_len(i) for i in prefills), params)
     return out
 
 
@@ -143,7 +149,7 @@ def paged_attention_rows(
     query_start_loc: torch.Tensor,
     seqs: range,
     max_query_len: int,
-    scale: float,
+    params: AttentionParams,
     num_splits: int = 1,
 ) -> None:
     """Attend the new tokens of sequences `seqs` into their rows of `out`.
@@ -183,7 +189,9 @@ def paged_attention_rows(
         partial_out,
         partial_max,
         partial_sum,
-        scale * LOG2E,
+        params.scale * LOG2E,
+        params.window_or_zero,
+        params.soft_cap_or_zero * LOG2E,
         seqs.start,
         num_splits,
         *query.stride()[:2],
@@ -191,6 +199,7 @@ def paged_attention_rows(
         block_table.stride(0),
         *out.stride()[:2],
         **constants,
+        SOFT_CAP=params.logits_soft_cap is not None,
         num_warps=num_warps,
     )
     if not single:

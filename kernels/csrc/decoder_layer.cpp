@@ -18,8 +18,9 @@
 //
 // Weights: qkv, o and down packed by pack_panels, gate_up in two shards (gate, up); hidden and
 // residual bf16 [tokens, hidden_size]; the attention arguments as cpu_paged_attention reads them
-// (kernels/attention/cpu_paged.py), with the decode rows first. Nothing is checked here that the
-// operators do not check themselves.
+// (kernels/attention/cpu_paged.py), with the decode rows first. A fused layer has no sliding window
+// and no soft cap (engine/models/fused_layers.py fuses only such layers). Nothing is checked here
+// that the operators do not check themselves.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -52,13 +53,13 @@ std::tuple<Tensor, Tensor> llama_decoder_layer(
       op<void(const Tensor&, const Tensor&, Tensor&, const Tensor&)>("raypage::reshape_and_cache");
   static const auto decode_attention =
       op<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-              const std::optional<Tensor>&)>("raypage::paged_decode_attention");
+              const std::optional<Tensor>&, int64_t, double)>("raypage::paged_decode_attention");
   static const auto cascade_attention =
       op<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, double)>(
           "raypage::cascade_decode_attention");
   static const auto prefill_attention =
-      op<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)>(
-          "raypage::tiled_prefill_attention");
+      op<void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t,
+              double)>("raypage::tiled_prefill_attention");
   static const auto linear =
       op<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>("raypage::panel_linear");
   static const auto silu_and_mul = op<Tensor(const Tensor&, const Tensor&)>("raypage::panel_silu_and_mul");
@@ -87,14 +88,14 @@ std::tuple<Tensor, Tensor> llama_decoder_layer(
     if (shared_blocks > 0) {
       cascade_attention.call(decoded, rows, kv_cache, table, lens, shared_blocks, scale);
     } else {
-      decode_attention.call(decoded, rows, kv_cache, table, lens, scale, std::nullopt);
+      decode_attention.call(decoded, rows, kv_cache, table, lens, scale, std::nullopt, 0, 0.0);
     }
   }
   const int64_t num_seqs = seq_lens.size(0);
   if (num_decodes < num_seqs) {
     prefill_attention.call(attended, query, kv_cache, block_table.narrow(0, num_decodes, num_seqs - num_decodes),
                            seq_lens.narrow(0, num_decodes, num_seqs - num_decodes),
-                           query_start_loc.narrow(0, num_decodes, num_seqs - num_decodes + 1), scale);
+                           query_start_loc.narrow(0, num_decodes, num_seqs - num_decodes + 1), scale, 0, 0.0);
   }
   Tensor projected = linear.call(attended.view({tokens, num_heads * head_dim}), o_weight, std::nullopt);
   add_rms_norm.call(projected, residual, post_norm, eps);

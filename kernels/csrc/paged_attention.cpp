@@ -8,6 +8,10 @@
 //   lse          optional float32 [num_seqs, num_heads]: each row's log-sum-exp of its scaled scores
 //                (max + log of the softmax's sum), for merging with attention over other keys
 //                (cascade_decode_attention in tiled_attention.cpp)
+//   window       a sliding window (0: none): each row sees only its last `window` tokens, and the
+//                blocks before the one holding the first of them are never read (the KV cache
+//                manager may have freed them)
+//   soft_cap     0, or the soft cap of the scaled scores: cap * tanh(score / cap) (Gemma 2)
 //
 // One work item is a (sequence, KV head) pair: the query heads that share the KV head are attended
 // together, so each key and value row is read from memory once for the whole group. Items are
@@ -107,6 +111,15 @@ inline void round_scaled(float* p, int64_t n, float pre, float post) {
   for (; i < n; ++i) p[i] = round_to<T>(p[i] * pre) * post;
 }
 
+// p[0:n] = cap * tanh(p / cap)
+inline void soft_cap_scores(float* p, int64_t n, float cap) {
+  int64_t i = 0;
+#if defined(RAYPAGE_SIMD)
+  for (; i + kLanes <= n; i += kLanes) store_floats(p + i, soft_cap_lanes(load_floats(p + i), cap));
+#endif
+  for (; i < n; ++i) p[i] = cap * std::tanh(p[i] / cap);
+}
+
 // p[0:n] = e^(p - peak); returns their sum.
 inline float exp_shifted(float* p, int64_t n, float peak) {
   float total = 0.f;
@@ -149,9 +162,10 @@ constexpr int64_t kKeysAhead = 4;
 // How far ahead pass 1 prefetches values into L2, in blocks: pass 2 then finds them there.
 constexpr int64_t kValuesAhead = 2;
 
-// One work item: a sequence, one of its KV heads, and how many tokens it attends to.
+// One work item: a sequence, one of its KV heads, how many tokens it holds, the first one it sees
+// (0 without a window) and the first token of that one's block, where its reads begin.
 struct WorkItem {
-  int64_t s, h, len;
+  int64_t s, h, len, first, start;
 };
 
 // The call's layout (paged_layout.h), with the optional log-sum-exp output and the prefetching.
@@ -164,6 +178,7 @@ struct Layout : raypage::PagedLayout<T> {
   using raypage::PagedLayout<T>::v_data;
   float* lse_data = nullptr;  // with lse_seq_stride: the optional log-sum-exp output
   int64_t lse_seq_stride = 0;
+  float soft_cap = 0.f;  // 0: scores uncapped
 
   Layout(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table)
       : raypage::PagedLayout<T>("paged_decode_attention", out, query, kv_cache, block_table) {}
@@ -181,10 +196,16 @@ struct Layout : raypage::PagedLayout<T> {
   }
   // The blocks an item's pass 1 begins with: kKeysAhead of keys, kValuesAhead of values (to L2).
   RAYPAGE_INLINE void prefetch_start(const WorkItem& item) const {
-    for (int64_t ahead = 0; ahead < kKeysAhead; ++ahead) prefetch_next(k_data, item.s, item.h, 0, item.len, ahead);
-    for (int64_t ahead = 0; ahead < kValuesAhead; ++ahead) {
-      prefetch_next<2>(v_data, item.s, item.h, 0, item.len, ahead);
+    for (int64_t ahead = 0; ahead < kKeysAhead; ++ahead) {
+      prefetch_next(k_data, item.s, item.h, item.start, item.len, ahead);
     }
+    for (int64_t ahead = 0; ahead < kValuesAhead; ++ahead) {
+      prefetch_next<2>(v_data, item.s, item.h, item.start, item.len, ahead);
+    }
+  }
+  // Scaled scores p[0:n] soft-capped, if the layer caps them.
+  void cap_scores(float* p, int64_t n) const {
+    if (soft_cap > 0.f) soft_cap_scores(p, n, soft_cap);
   }
 };
 
@@ -197,12 +218,12 @@ E* scratch(int64_t n) {
 }
 
 // Checks every sequence's length, then runs attend(item, next, max_len) for each (sequence, KV head)
-// pair on the intra-op threads. Each thread claims its next item before it starts the current one
+// pair on the intra-op threads, each seeing its last `window` tokens (0: all of them). Each thread claims its next item before it starts the current one
 // and passes it along (`next`, nullptr at the end), so that the next item's first blocks are fetched
 // while this one finishes; claims stay dynamic, so a thread holds back at most one item.
 template <typename Attend>
 void for_each_item(const at::Tensor& seq_lens, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
-                   Attend attend) {
+                   int64_t window, Attend attend) {
   const int64_t num_seqs = seq_lens.size(0), lens_stride = seq_lens.stride(0);
   const int64_t* lens_data = seq_lens.const_data_ptr<int64_t>();
   int64_t max_len = 0;
@@ -217,8 +238,9 @@ void for_each_item(const at::Tensor& seq_lens, int64_t num_kv_heads, int64_t blo
   std::atomic<int64_t> next_item{0};
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
   const auto work_item = [&](int64_t index) {
-    const int64_t s = index / num_kv_heads;
-    return WorkItem{s, index % num_kv_heads, lens_data[s * lens_stride]};
+    const int64_t s = index / num_kv_heads, len = lens_data[s * lens_stride];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    return WorkItem{s, index % num_kv_heads, len, first, first - first % block_size};
   };
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
     int64_t index = next_item++;
@@ -237,40 +259,42 @@ void for_each_item(const at::Tensor& seq_lens, int64_t num_kv_heads, int64_t blo
 // Any dtype, head size and group: rows widened to float32, one dot product per (key, query head).
 template <typename T>
 void attend_widened(const Layout<T>& L, const WorkItem& item, const WorkItem* next, int64_t max_len, float scale) {
-  const int64_t s = item.s, h = item.h, len = item.len;
+  const int64_t s = item.s, h = item.h, len = item.len, first = item.first, visible = len - first;
   const int64_t group = L.group, head_dim = L.head_dim, block_size = L.block_size;
   float* q = scratch<float>(2 * group * head_dim + head_dim + group * max_len);
   float* acc = q + group * head_dim;
   float* row = acc + group * head_dim;
   float* scores = row + head_dim;
   for (int64_t g = 0; g < group; ++g) widen(&q[g * head_dim], L.query_row(s, h * group + g), head_dim);
-  // Pass 1: every query head's score against every key, block by block where the keys lie.
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+  // Pass 1: every query head's score against every visible key, block by block where the keys lie.
+  for (int64_t t0 = item.start; t0 < len; t0 += block_size) {
     L.prefetch_next(L.k_data, s, h, t0, len);
     const T* keys = L.rows(L.k_data, s, h, t0);
-    for (int64_t t = t0; t < std::min(t0 + block_size, len); ++t) {
+    for (int64_t t = std::max(t0, first); t < std::min(t0 + block_size, len); ++t) {
       widen(row, keys + (t - t0) * head_dim, head_dim);
       for (int64_t g = 0; g < group; ++g) scores[g * max_len + t] = dot(&q[g * head_dim], row, head_dim);
     }
   }
-  prefetch(L.rows(L.v_data, s, h, 0), L.block_elems);
+  prefetch(L.rows(L.v_data, s, h, item.start), L.block_elems);
   if (next) L.prefetch_start(*next);
   for (int64_t g = 0; g < group; ++g) {
-    float* p = &scores[g * max_len];
-    round_scaled<T>(p, len, 1.f, scale);  // a bf16 matmul's output, scaled in float32
+    float* p = &scores[g * max_len + first];
+    round_scaled<T>(p, visible, 1.f, scale);  // a bf16 matmul's output, scaled in float32
+    L.cap_scores(p, visible);
     // Softmax in float32; probabilities rounded to the cache dtype.
-    const float peak = *std::max_element(p, p + len);
-    const float total = exp_shifted(p, len, peak);
+    const float peak = *std::max_element(p, p + visible);
+    const float total = exp_shifted(p, visible, peak);
     L.store_lse(s, h * group + g, peak, total);
-    round_scaled<T>(p, len, 1.f / total, 1.f);
+    round_scaled<T>(p, visible, 1.f / total, 1.f);
   }
-  // Pass 2: the probability-weighted sum of the values, read block by block in place.
+  // Pass 2: the probability-weighted sum of the visible values, read block by block in place.
   std::fill(acc, acc + group * head_dim, 0.f);
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+  for (int64_t t0 = item.start; t0 < len; t0 += block_size) {
     L.prefetch_next(L.v_data, s, h, t0, len);
-    const T* values = L.rows(L.v_data, s, h, t0);
+    const int64_t lo = std::max(t0, first), n = std::min(t0 + block_size, len) - lo;
+    const T* values = L.rows(L.v_data, s, h, t0) + (lo - t0) * head_dim;
     for (int64_t g = 0; g < group; ++g) {
-      accumulate_rows(&acc[g * head_dim], &scores[g * max_len + t0], values, std::min(block_size, len - t0), head_dim);
+      accumulate_rows(&acc[g * head_dim], &scores[g * max_len + lo], values, n, head_dim);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -310,7 +334,7 @@ template <int kChunks, int kGroup>
 void attend_bf16(const Layout<c10::BFloat16>& L, const WorkItem& item, const WorkItem* next, int64_t max_len,
                  float scale) {
   using bf16 = c10::BFloat16;
-  const int64_t s = item.s, h = item.h, len = item.len;
+  const int64_t s = item.s, h = item.h, len = item.len, first = item.first;
   constexpr int64_t head_dim = 32 * kChunks;
   const int64_t block_size = L.block_size, p_stride = max_len + 2;  // room for a zero after an odd length
   float* scores = scratch<float>(kGroup * max_len);
@@ -322,17 +346,18 @@ void attend_bf16(const Layout<c10::BFloat16>& L, const WorkItem& item, const Wor
     peak[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   }
   const __m512 scale16 = _mm512_set1_ps(scale);
-  // Pass 1: scores, 16 keys of a block at a time. Rows past `len` in the last block are read (they
-  // lie inside the block) but their scores are never stored.
+  // Pass 1: scores, 16 keys of a block at a time from the step holding the first visible key. Rows
+  // past `len` in the last block, and before `first` in the first step, are read (they lie inside
+  // the block) but their scores are never stored.
   // The first blocks were prefetched during the previous item, except for a thread's first item.
   L.prefetch_start(item);
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+  for (int64_t t0 = item.start; t0 < len; t0 += block_size) {
     L.prefetch_next(L.k_data, s, h, t0, len, kKeysAhead);
     L.template prefetch_next<2>(L.v_data, s, h, t0, len, kValuesAhead);
     const bf16* keys = L.rows(L.k_data, s, h, t0);
-    for (int64_t j0 = 0; j0 < std::min(block_size, len - t0); j0 += 16) {
-      const int64_t n = std::min<int64_t>(16, len - t0 - j0);
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t j0 = std::max<int64_t>(0, first - t0) & ~int64_t{15}; j0 < std::min(block_size, len - t0); j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - t0 - j0), hidden = std::max<int64_t>(0, first - t0 - j0);
+      const __mmask16 valid = static_cast<__mmask16>(((1u << n) - 1) & ~((1u << hidden) - 1));
       for (int g = 0; g < kGroup; ++g) {
         __m512 partial[16];
         for (int j = 0; j < 16; ++j) {
@@ -347,21 +372,29 @@ void attend_bf16(const Layout<c10::BFloat16>& L, const WorkItem& item, const Wor
       }
     }
   }
-  prefetch(L.rows(L.v_data, s, h, 0), L.block_elems);
+  prefetch(L.rows(L.v_data, s, h, item.start), L.block_elems);
   // The next item's first blocks, while the softmax and pass 2 work from the caches.
   if (next) L.prefetch_start(*next);
+  // Pass 2 reads tokens in pairs from an even one: a token before `first` in its pair weighs 0.
+  const int64_t first_pair = first & ~int64_t{1};
   for (int g = 0; g < kGroup; ++g) {
     float* p = scores + g * max_len;
-    const float top = _mm512_reduce_max_ps(peak[g]), total = exp_shifted(p, len, top);
+    float top = _mm512_reduce_max_ps(peak[g]);
+    if (L.soft_cap > 0.f) {
+      L.cap_scores(p + first, len - first);
+      top = *std::max_element(p + first, p + len);
+    }
+    const float total = exp_shifted(p + first, len - first, top);
     L.store_lse(s, h * kGroup + g, top, total);
     const __m512 inverse = _mm512_set1_ps(1.f / total);
     uint16_t* pb = probs + g * p_stride;
-    int64_t t = 0;
+    int64_t t = first;
     for (; t + 16 <= len; t += 16) {  // rounded to nearest even, as static_cast<bf16> does
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(p + t), inverse)));
     }
     for (; t < len; ++t) pb[t] = static_cast<bf16>(p[t] * _mm512_cvtss_f32(inverse)).x;
+    std::fill(pb + first_pair, pb + first, uint16_t{0});
     pb[len] = 0;
   }
   // Pass 2: values two tokens at a time. A missing second token (an odd length) is a row of zeros,
@@ -372,11 +405,11 @@ void attend_bf16(const Layout<c10::BFloat16>& L, const WorkItem& item, const Wor
   for (int g = 0; g < kGroup; ++g) {
     for (int i = 0; i < 2 * kChunks; ++i) acc[g][i] = _mm512_setzero_ps();
   }
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+  for (int64_t t0 = item.start; t0 < len; t0 += block_size) {
     L.prefetch_next(L.v_data, s, h, t0, len);
     const bf16* values = L.rows(L.v_data, s, h, t0);
     const int64_t n = std::min(block_size, len - t0);
-    for (int64_t t = 0; t < n; t += 2) {
+    for (int64_t t = std::max<int64_t>(0, first_pair - t0); t < n; t += 2) {
       const __mmask32 second = t + 1 < n ? ~__mmask32{0} : __mmask32{0};
       __m512bh lo[kChunks], hi[kChunks];
       for (int c = 0; c < kChunks; ++c) {
@@ -442,14 +475,15 @@ Bf16Attend bf16_kernel(int64_t head_dim, int64_t group, int64_t block_size) {
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                    const at::Tensor& block_table, const at::Tensor& seq_lens, float scale,
-                   const std::optional<at::Tensor>& lse) {
+                   const std::optional<at::Tensor>& lse, int64_t window, float soft_cap) {
   Layout<T> L(out, query, kv_cache, block_table);
   if (lse.has_value()) {
     L.lse_data = lse->mutable_data_ptr<float>();
     L.lse_seq_stride = lse->stride(0);
   }
+  L.soft_cap = soft_cap;
   const auto items = [&](auto attend) {
-    for_each_item(seq_lens, kv_cache.size(1), L.block_size, block_table.size(1), attend);
+    for_each_item(seq_lens, kv_cache.size(1), L.block_size, block_table.size(1), window, attend);
   };
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -467,7 +501,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 
 void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                            const std::optional<at::Tensor>& lse) {
+                            const std::optional<at::Tensor>& lse, int64_t window, double soft_cap) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "paged_decode_attention: query and out must both be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -489,15 +523,17 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
   TORCH_CHECK(!lse.has_value() || (lse->dim() == 2 && lse->scalar_type() == at::kFloat && lse->size(0) == query.size(0) &&
                                     lse->size(1) == query.size(1) && lse->stride(1) == 1),
               "paged_decode_attention: lse must be float32 [num_seqs, num_heads], contiguous along the heads");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0, "paged_decode_attention: window (", window, ") and soft_cap (",
+              soft_cap, ") must not be negative");
   if (query.size(0) == 0) return;
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
   switch (query.scalar_type()) {
     case at::kFloat:
-      return decode_kernel<float>(out, query, kv_cache, block_table, seq_lens, fscale, lse);
+      return decode_kernel<float>(out, query, kv_cache, block_table, seq_lens, fscale, lse, window, cap);
     case at::kBFloat16:
-      return decode_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, fscale, lse);
+      return decode_kernel<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, fscale, lse, window, cap);
     case at::kHalf:
-      return decode_kernel<c10::Half>(out, query, kv_cache, block_table, seq_lens, fscale, lse);
+      return decode_kernel<c10::Half>(out, query, kv_cache, block_table, seq_lens, fscale, lse, window, cap);
     default:
       TORCH_CHECK(false, "paged_decode_attention: dtype ", query.scalar_type(),
                   " is not supported (float32, bfloat16, float16)");
@@ -518,7 +554,7 @@ bool has_bf16_dot_product() {
 TORCH_LIBRARY(raypage, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
-      "Tensor seq_lens, float scale, Tensor(b!)? lse=None) -> ()");
+      "Tensor seq_lens, float scale, Tensor(b!)? lse=None, int window=0, float soft_cap=0.0) -> ()");
   m.def("has_bf16_dot_product() -> bool", &has_bf16_dot_product);
 }
 

@@ -201,6 +201,16 @@ inline Vec silu_lanes(Vec x) {
   const Vec e = select(less(negative_abs, set1(kExpFloor)), zero, exp_lanes(negative_abs));
   return div(select(less(x, zero), mul(x, e), x), add(set1(1.f), e));
 }
+
+// cap * tanh(s / cap), attention scores' soft cap (Gemma 2): tanh(|x|) = (1 - e) / (1 + e) with
+// e = e^(-2|x|) (exp_lanes' domain), the sign of x put back.
+inline Vec soft_cap_lanes(Vec s, float cap) {
+  const Vec zero = set1(0.f), one = set1(1.f), x = div(s, set1(cap));
+  const Vec negative_abs = min(x, sub(zero, x));
+  const Vec e = exp_lanes(add(negative_abs, negative_abs));
+  const Vec magnitude = div(sub(one, e), add(one, e));
+  return mul(select(less(x, zero), sub(zero, magnitude), magnitude), set1(cap));
+}
 #else
 constexpr int64_t kLanes = 1;
 #endif

@@ -1,13 +1,18 @@
 // Prefill attention over a bf16 paged KV cache on AVX-512 BF16: 16 query tokens at a time.
 //
-// torch.ops.raypage.tiled_prefill_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc, scale):
+// torch.ops.raypage.tiled_prefill_attention(out, query, kv_cache, block_table, seq_lens, query_start_loc, scale,
+//                                           window=0, soft_cap=0):
 //   out, query       [num_tokens, num_heads, head_dim] bf16; sequence i's rows are
 //                    query_start_loc[i]:query_start_loc[i+1] (int32, num_seqs + 1 offsets)
 //   kv_cache         [2, num_kv_heads, num_blocks, block_size, head_dim] bf16, contiguous, holding
 //                    every token's key and value, the new ones included
 //   block_table      [num_seqs, >= blocks needed] int64, any strides
 //   seq_lens         [num_seqs] int64: each sequence's cached context and its new tokens
-// Token j of a sequence's new ones attends causally to its first seq_len - query_len + j + 1 tokens.
+// Token j of a sequence's new ones attends causally to its first seq_len - query_len + j + 1 tokens,
+// or with a sliding window (window > 0) to the last `window` of them; with soft_cap > 0 its scaled
+// scores become soft_cap * tanh(score / soft_cap) (Gemma 2). An item reads keys and values from the
+// 16-token step holding its first token's first visible key: blocks wholly before it (which the KV
+// cache manager may have freed) are never read.
 // torch.ops.raypage.tiled_attention_serves(head_dim, group, block_size): whether this build has the
 // kernel (AVX-512 BF16) for that shape: head_dim 32, 64 or 128, GQA groups of 1-4, 6 or 8, blocks
 // of a multiple of 16 tokens.
@@ -61,9 +66,10 @@ using bf16 = c10::BFloat16;
 constexpr int64_t kBlocksAhead = 2;
 
 // One item: tokens [row, row + tokens) of sequence s (rows of query/out), which see keys up to
-// first_position + their index; kv_len = the last one's position + 1.
+// first_position + their index; kv_len = the last one's position + 1; the item reads keys from
+// kv_start (0, or a multiple of kTokens at or before its first token's first visible key).
 struct Item {
-  int64_t s, h, row, tokens, first_position, kv_len;
+  int64_t s, h, row, tokens, first_position, kv_len, kv_start = 0;
 };
 
 // The call's layout (paged_layout.h), with what cascade attention's prefix pass merges into.
@@ -72,6 +78,8 @@ struct Layout : raypage::PagedLayout<bf16> {
   // attention `out` already holds, to merge this pass's into.
   const float* merge_lse = nullptr;
   int64_t merge_lse_stride = 0;
+  int64_t window = 0;    // 0: every earlier key is visible
+  float soft_cap = 0.f;  // 0: scores uncapped
 
   Layout(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table)
       : PagedLayout("tiled_prefill_attention", out, query, kv_cache, block_table) {}
@@ -141,11 +149,13 @@ inline __m512bh broadcast_pair(const void* p) {
   return (__m512bh)_mm512_set1_epi32(pair);
 }
 
-// Lanes (tokens) of an item that see key t: tokens j < tokens with first_position + j >= t.
-inline __mmask16 sees_key(const Item& item, int64_t t) {
+// Lanes (tokens) of an item that see key t: tokens j < tokens with first_position + j >= t and, with a
+// window, first_position + j < t + window.
+inline __mmask16 sees_key(const Item& item, int64_t t, int64_t window) {
   const int64_t first = std::max<int64_t>(0, t - item.first_position);
-  const uint32_t valid = (1u << item.tokens) - 1;
-  return static_cast<__mmask16>(first >= kTokens ? 0 : valid & ~((1u << first) - 1));
+  const int64_t last = window > 0 ? std::min(item.tokens, t + window - item.first_position) : item.tokens;
+  if (first >= last) return 0;
+  return static_cast<__mmask16>(((1u << last) - 1) & ~((1u << first) - 1));
 }
 
 // Accumulators are `group` x kKeysStep (pass 1) and `group` x kElemsStep (pass 3) vectors: at most
@@ -158,15 +168,16 @@ template <int kChunks, int kGroup, bool kMerge>
 void attend_item(const Layout& L, const Item& item, float scale) {
   constexpr int64_t head_dim = 32 * kChunks, pairs = head_dim / 2;
   constexpr int kKeys = keys_step(kGroup), kElems = elems_step(kGroup);
-  const int64_t kv_len = item.kv_len, kv_pairs = (kv_len + 1) / 2;
+  // Keys kv_start.. of the item, `span` of them, indexed from kv_start (even: pairs share a block).
+  const int64_t kv_start = item.kv_start, kv_len = item.kv_len, span = kv_len - kv_start, kv_pairs = (span + 1) / 2;
   // Scratch, in vectors: packed queries, scores (then e^(s - max)), probability pairs, value pairs.
-  __m512* base = scratch<__m512>(kGroup * pairs + kGroup * kv_len + kGroup * kv_pairs + kv_pairs * head_dim / 16);
-  __m512bh* q = reinterpret_cast<__m512bh*>(base);                          // [group][pairs]
-  __m512* scores = base + kGroup * pairs;                                   // [group][kv_len]
-  __m512bh* probs = reinterpret_cast<__m512bh*>(scores + kGroup * kv_len);  // [group][kv_pairs]
+  __m512* base = scratch<__m512>(kGroup * pairs + kGroup * span + kGroup * kv_pairs + kv_pairs * head_dim / 16);
+  __m512bh* q = reinterpret_cast<__m512bh*>(base);                        // [group][pairs]
+  __m512* scores = base + kGroup * pairs;                                 // [group][span]
+  __m512bh* probs = reinterpret_cast<__m512bh*>(scores + kGroup * span);  // [group][kv_pairs]
   int32_t* values = reinterpret_cast<int32_t*>(probs + kGroup * kv_pairs);  // [kv_pairs][head_dim]
 
-  for (int64_t b = 0; b < kBlocksAhead; ++b) L.prefetch_block(item, b * L.block_size);
+  for (int64_t b = 0; b < kBlocksAhead; ++b) L.prefetch_block(item, kv_start + b * L.block_size);
   // Queries as [head][pair][token]: each token's pair of elements in its 32-bit lane; 16 tokens' rows
   // of 16 pairs transposed at a time (absent tokens' lanes zero).
   for (int g = 0; g < kGroup; ++g) {
@@ -181,13 +192,14 @@ void attend_item(const Layout& L, const Item& item, float scale) {
     }
   }
 
-  // 1. Scores. Keys past kv_len in the last step are read (they lie in the block) and dropped.
+  // 1. Scores, soft-capped if the layer caps them. Keys past kv_len in the last step are read (they
+  // lie in the block) and dropped.
   const __m512 scale16 = _mm512_set1_ps(scale);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 peak[kGroup];
 #pragma GCC unroll 16
   for (int g = 0; g < kGroup; ++g) peak[g] = minus_inf;
-  for (int64_t t0 = 0; t0 < kv_len; t0 += kKeys) {
+  for (int64_t t0 = kv_start; t0 < kv_len; t0 += kKeys) {
     const bf16* keys = L.row(L.k_data, item.s, item.h, t0);
     if (t0 % L.block_size == 0) L.prefetch_block(item, t0 + kBlocksAhead * L.block_size);
     __m512 acc[kGroup][kKeys];
@@ -207,11 +219,13 @@ void attend_item(const Layout& L, const Item& item, float scale) {
       }
     }
     for (int j = 0; j < kKeys && t0 + j < kv_len; ++j) {
-      const __mmask16 sees = sees_key(item, t0 + j);
+      const __mmask16 sees = sees_key(item, t0 + j, L.window);
 #pragma GCC unroll 16
       for (int g = 0; g < kGroup; ++g) {
-        const __m512 s = _mm512_mask_mov_ps(minus_inf, sees, _mm512_mul_ps(round_lanes<bf16>(acc[g][j]), scale16));
-        scores[g * kv_len + t0 + j] = s;
+        __m512 s = _mm512_mul_ps(round_lanes<bf16>(acc[g][j]), scale16);
+        if (L.soft_cap > 0.f) s = soft_cap_lanes(s, L.soft_cap);
+        s = _mm512_mask_mov_ps(minus_inf, sees, s);
+        scores[g * span + t0 - kv_start + j] = s;
         peak[g] = _mm512_max_ps(peak[g], s);
       }
     }
@@ -222,9 +236,9 @@ void attend_item(const Layout& L, const Item& item, float scale) {
   alignas(64) float lane_peak[kGroup][kTokens], lane_total[kGroup][kTokens];  // for a merge
 #pragma GCC unroll 16
   for (int g = 0; g < kGroup; ++g) {
-    __m512* row = scores + g * kv_len;
+    __m512* row = scores + g * span;
     __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < kv_len; ++t) {
+    for (int64_t t = 0; t < span; ++t) {
       const __mmask16 seen = _mm512_cmp_ps_mask(row[t], minus_inf, _CMP_NEQ_OQ);
       row[t] = _mm512_maskz_mov_ps(seen, exp_lanes(_mm512_sub_ps(row[t], peak[g])));
       total = _mm512_add_ps(total, row[t]);
@@ -236,9 +250,9 @@ void attend_item(const Layout& L, const Item& item, float scale) {
       _mm512_store_ps(lane_total[g], total);
     }
     const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    for (int64_t t = 0; t < kv_len; t += 2) {
+    for (int64_t t = 0; t < span; t += 2) {
       const __m512i first = _mm512_castps_si512(round_lanes<bf16>(_mm512_mul_ps(row[t], inverse)));
-      const __m512i second = t + 1 < kv_len
+      const __m512i second = t + 1 < span
                                  ? _mm512_castps_si512(round_lanes<bf16>(_mm512_mul_ps(row[t + 1], inverse)))
                                  : _mm512_setzero_si512();
       probs[g * kv_pairs + t / 2] =
@@ -249,13 +263,13 @@ void attend_item(const Layout& L, const Item& item, float scale) {
   // 3. Values two keys at a time: element d of key t and of key t + 1 side by side (a missing
   // second key of an odd kv_len is zeros, not what its row holds). Then O^T = P V.
   const __m512i low_pairs = _mm512_load_si512(kLowPairs), high_pairs = _mm512_load_si512(kHighPairs);
-  for (int64_t t = 0; t < kv_len; t += 2) {
+  for (int64_t t = kv_start; t < kv_len; t += 2) {
     const bf16* first = L.row(L.v_data, item.s, item.h, t);  // an even t's pair shares its block
 #pragma GCC unroll 16
     for (int c = 0; c < kChunks; ++c) {
       const __m512i a = _mm512_loadu_si512(first + 32 * c);
       const __m512i b = t + 1 < kv_len ? _mm512_loadu_si512(first + head_dim + 32 * c) : _mm512_setzero_si512();
-      int32_t* pair_row = values + (t / 2) * head_dim + 32 * c;
+      int32_t* pair_row = values + ((t - kv_start) / 2) * head_dim + 32 * c;
       _mm512_storeu_si512(pair_row, _mm512_permutex2var_epi16(a, low_pairs, b));
       _mm512_storeu_si512(pair_row + 16, _mm512_permutex2var_epi16(a, high_pairs, b));
     }
@@ -364,7 +378,7 @@ bool tiled_attention_serves(int64_t head_dim, int64_t group, int64_t block_size)
 
 void tiled_prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                              const at::Tensor& block_table, const at::Tensor& seq_lens,
-                             const at::Tensor& query_start_loc, double scale) {
+                             const at::Tensor& query_start_loc, double scale, int64_t window, double soft_cap) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && query.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16 && query.stride(2) == 1 && out.stride(2) == 1,
               "tiled_prefill_attention: query and out must be bf16 [num_tokens, num_heads, head_dim], contiguous "
@@ -384,8 +398,12 @@ void tiled_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
   TORCH_CHECK(tiled_attention_serves(query.size(2), query.size(1) / kv_cache.size(1), kv_cache.size(3)),
               "tiled_prefill_attention: head_dim ", query.size(2), ", ", query.size(1) / kv_cache.size(1),
               " query heads per KV head and blocks of ", kv_cache.size(3), " are not served here");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0, "tiled_prefill_attention: window (", window, ") and soft_cap (",
+              soft_cap, ") must not be negative");
 #if defined(__AVX512BF16__)
-  const Layout L(out, query, kv_cache, block_table);
+  Layout L(out, query, kv_cache, block_table);
+  L.window = window;
+  L.soft_cap = static_cast<float>(soft_cap);
   const AttendItem attend = kernel_for(L.head_dim, L.group, L.block_size);
   const auto lens = seq_lens.accessor<int64_t, 1>();
   const auto starts = query_start_loc.accessor<int32_t, 1>();
@@ -397,13 +415,17 @@ void tiled_prefill_attention(at::Tensor& out, const at::Tensor& query, const at:
                 "tiled_prefill_attention: sequence ", s, " has ", query_len, " query rows over ", lens[s],
                 " tokens, which its rows and block table cannot hold");
     for (int64_t j = 0; j < query_len; j += kTokens) {
-      const int64_t tokens = std::min(kTokens, query_len - j);
+      const int64_t tokens = std::min(kTokens, query_len - j), position = context + j;
+      const int64_t kv_start = window > 0 ? std::max<int64_t>(0, position - window + 1) / kTokens * kTokens : 0;
       for (int64_t h = 0; h < kv_cache.size(1); ++h) {
-        items.push_back({s, h, starts[s] + j, tokens, context + j, context + j + tokens});
+        items.push_back({s, h, starts[s] + j, tokens, position, position + tokens, kv_start});
       }
     }
   }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.kv_len > b.kv_len; });
+  // The most keys first.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.kv_len - a.kv_start > b.kv_len - b.kv_start;
+  });
   run_items(L, attend, items, static_cast<float>(scale));
 #endif
 }
@@ -436,10 +458,12 @@ void cascade_decode_attention(at::Tensor& out, const at::Tensor& query, const at
   static const auto decode = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("raypage::paged_decode_attention", "")
                                  .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                             const at::Tensor&, double, const std::optional<at::Tensor>&)>();
+                                             const at::Tensor&, double, const std::optional<at::Tensor>&, int64_t,
+                                             double)>();
   const at::Tensor own_lse = at::empty({num_seqs, query.size(1)}, query.options().dtype(at::kFloat));
+  // No window and no cap: cascade serves plain layers only (kernels/attention/cpu_paged.py).
   decode.call(out, query, kv_cache, block_table.narrow(1, shared_blocks, block_table.size(1) - shared_blocks),
-              seq_lens - shared_len, scale, own_lse);
+              seq_lens - shared_len, scale, own_lse, 0, 0.0);
 #if defined(__AVX512BF16__)
   // 2. The shared prefix, 16 rows (sequences) a tile, its keys read once for all of them through
   // sequence 0's table, merged into each row's own part.
@@ -462,7 +486,7 @@ void cascade_decode_attention(at::Tensor& out, const at::Tensor& query, const at
 TORCH_LIBRARY_FRAGMENT(raypage, m) {
   m.def(
       "tiled_prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, float scale) -> ()");
+      "Tensor query_start_loc, float scale, int window=0, float soft_cap=0.0) -> ()");
   m.def(
       "cascade_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "int shared_blocks, float scale) -> ()");

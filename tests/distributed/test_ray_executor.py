@@ -27,6 +27,7 @@ from engine.executor.ray_utils import rank_order
 from engine.process.core import EngineCore
 from tests.distributed.background_steps import BackgroundSteps
 from tests.model.tiny_models import write_tiny_model
+from tests.model.tiny_moe import write_tiny_moe
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +129,27 @@ def test_tp2_pp2_across_nodes_matches_the_single_process_engine(cluster, tiny_mo
         llm.llm_engine.shutdown()
     assert _wait_gone(pids), "shutdown left worker actors running"
     assert _placement_groups() == groups_before
+
+
+def test_mixtral_expert_parallel_matches_the_single_process_engine(cluster, tmp_path):
+    # Two whole experts of four on each of the TP pair's workers.
+    model = write_tiny_moe(tmp_path / "mixtral", family="mixtral")
+    single = LLM(str(model), dtype="float32", num_kv_blocks=64, distributed_executor_backend="uni")
+    expected = [out.outputs[0].token_ids for out in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm = LLM(
+        str(model),
+        multiprocess_mode=False,
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        distributed_executor_backend="ray",
+        **SETTINGS,
+    )
+    try:
+        assert isinstance(llm.llm_engine.engine_core.engine_core.executor, RayDistributedExecutor)
+        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == expected
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_killed_worker_actor_fails_in_flight_requests(cluster, tiny_model, expected):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import cpu_paged
+from kernels.attention import AttentionParams, cpu_paged
 from kernels.attention.cpu_paged import amx_serves, cpu_paged_attention
 from kernels.attention.reference import reference_attention
 from kernels.build import cpu_kernels_available
@@ -51,7 +51,9 @@ def amx_attention(pb: PagedBatch, out: torch.Tensor | None = None) -> torch.Tens
 
 def expected(pb: PagedBatch) -> torch.Tensor:
     scale = pb.query.shape[-1] ** -0.5
-    return reference_attention(pb.query, pb.key, pb.value, pb.kv_cache.clone(), pb.meta, scale)
+    return reference_attention(
+        pb.query, pb.key, pb.value, pb.kv_cache.clone(), pb.meta, AttentionParams(scale)
+    )
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
@@ -128,7 +130,7 @@ def test_the_backend_takes_the_amx_kernel_for_bf16_and_keeps_the_other_paths_oth
     reference = expected(pb)
     scale = pb.query.shape[-1] ** -0.5
     monkeypatch.setattr(cpu_paged, "tiled_serves", lambda query, kv_cache: pytest.fail("took another path"))
-    out = cpu_paged_attention(pb.query, pb.key, pb.value, pb.kv_cache, pb.meta, scale)
+    out = cpu_paged_attention(pb.query, pb.key, pb.value, pb.kv_cache, pb.meta, AttentionParams(scale))
     torch.testing.assert_close(out, reference, rtol=TOL, atol=TOL)
     cache = pb.kv_cache
     assert not amx_serves(cache.float())  # float32 and float16 caches

@@ -1,5 +1,6 @@
 """Paged attention: the reference against plain dense causal attention, the SDPA backend against
-the reference, on batches that mix decodes, fresh prefills and chunks with cached context."""
+the reference, on batches that mix decodes, fresh prefills and chunks with cached context, with and
+without a sliding window and a soft cap."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kernels.attention import get_attention_backend, sdpa
+from kernels.attention import AttentionParams, get_attention_backend, sdpa
 from kernels.attention.sdpa import decode_chunks
 from kernels.cache_ops import copy_blocks, reshape_and_cache
 from tests.kernels.random_batch import specs_metadata
@@ -16,16 +17,27 @@ from tests.kernels.random_batch import specs_metadata
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int) -> torch.Tensor:
-    """Textbook attention of queries at positions context.. over keys 0..; no paging at all."""
+def dense_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context: int,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Textbook attention of queries at positions context.. over keys 0.. (the last `window` of
+    them, scores capped at `soft_cap`); no paging at all."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     out = torch.empty_like(q)
     for row in range(q.shape[0]):
-        visible = context + row + 1
+        end = context + row + 1
+        start = 0 if window is None else max(end - window, 0)
         for head in range(q.shape[1]):
-            scores = k[:visible, head] @ q[row, head] / math.sqrt(q.shape[-1])
-            out[row, head] = torch.softmax(scores, dim=0) @ v[:visible, head]
+            scores = k[start:end, head] @ q[row, head] / math.sqrt(q.shape[-1])
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
+            out[row, head] = torch.softmax(scores, dim=0) @ v[start:end, head]
     return out
 
 
@@ -71,28 +83,42 @@ def build_batch(
 
 # decodes first, longest first (as the model runner orders them), then a fresh prefill, then chunks with context
 MIXED = [(12, 1), (7, 1), (0, 1), (0, 9), (5, 6), (8, 1 + 2)]
+SCALE = AttentionParams(DIM**-0.5)
+# Plain, a window shorter than most sequences (not a multiple of the block), a soft cap the scores
+# reach (about 1 in size here), and both.
+LAYER_PARAMS = [
+    SCALE,
+    AttentionParams(DIM**-0.5, sliding_window=5),
+    AttentionParams(DIM**-0.5, logits_soft_cap=1.5),
+    AttentionParams(DIM**-0.5, sliding_window=6, logits_soft_cap=2.0),
+]
+PARAM_IDS = ["plain", "window", "soft-cap", "window-and-cap"]
 
 
-def test_reference_equals_dense_attention():
+@pytest.mark.parametrize("params", LAYER_PARAMS, ids=PARAM_IDS)
+def test_reference_equals_dense_attention(params):
     q, k, v, cache, meta, full_kv = build_batch(MIXED)
-    out = get_attention_backend("reference")(q, k, v, cache, meta, DIM**-0.5)
+    out = get_attention_backend("reference")(q, k, v, cache, meta, params)
     for i, (context, _) in enumerate(MIXED):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        expected = dense_causal_attention(q[start:end], *full_kv[i], context)
+        expected = dense_causal_attention(
+            q[start:end], *full_kv[i], context, params.sliding_window, params.logits_soft_cap
+        )
         torch.testing.assert_close(out[start:end], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("params", LAYER_PARAMS, ids=PARAM_IDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_sdpa_backend_equals_reference(dtype, tol):
+def test_sdpa_backend_equals_reference(dtype, tol, params):
     q, k, v, cache, meta, _ = build_batch(MIXED, dtype=dtype)
-    expected = get_attention_backend("reference")(q, k, v, cache.clone(), meta, DIM**-0.5)
-    out = get_attention_backend("sdpa")(q, k, v, cache, meta, DIM**-0.5)
+    expected = get_attention_backend("reference")(q, k, v, cache.clone(), meta, params)
+    out = get_attention_backend("sdpa")(q, k, v, cache, meta, params)
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
 
 def test_new_tokens_are_written_to_their_slots():
     q, k, v, cache, meta, full_kv = build_batch(MIXED)
-    get_attention_backend("sdpa")(q, k, v, cache, meta, DIM**-0.5)
+    get_attention_backend("sdpa")(q, k, v, cache, meta, SCALE)
     for i, (context, query_len) in enumerate(MIXED):
         for pos in range(context + query_len):
             block = meta.block_table[i, pos // BLOCK]
@@ -121,9 +147,10 @@ def test_decode_chunks_bound_the_padded_gather():
     assert decode_chunks([100], BLOCK, budget=1) == [(0, 1)]  # one row always fits, whatever its length
 
 
-def test_many_decodes_split_into_runs_match_the_reference(monkeypatch):
+@pytest.mark.parametrize("params", LAYER_PARAMS, ids=PARAM_IDS)
+def test_many_decodes_split_into_runs_match_the_reference(monkeypatch, params):
     monkeypatch.setattr(sdpa, "DECODE_CHUNK_BLOCKS", 6)
     specs = [(context, 1) for context in (30, 21, 17, 9, 8, 2, 0)]
     q, k, v, cache, meta, _ = build_batch(specs)
-    expected = get_attention_backend("reference")(q, k, v, cache.clone(), meta, DIM**-0.5)
-    torch.testing.assert_close(get_attention_backend("sdpa")(q, k, v, cache, meta, DIM**-0.5), expected)
+    expected = get_attention_backend("reference")(q, k, v, cache.clone(), meta, params)
+    torch.testing.assert_close(get_attention_backend("sdpa")(q, k, v, cache, meta, params), expected)

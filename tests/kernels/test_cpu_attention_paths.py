@@ -11,28 +11,28 @@ import re
 import pytest
 import torch
 
-from kernels.attention import cpu_paged
+from kernels.attention import AttentionParams, cpu_paged
 from kernels.attention.cpu_paged import CPU_ATTENTION_PATHS, cpu_attention_path
 from tests.kernels.random_batch import specs_metadata
 
 
-def documented_path(rows: str, on_cpu: bool, amx: bool, tiled: bool, cascade: bool) -> str:
+def documented_path(rows: str, on_cpu: bool, plain: bool, amx: bool, tiled: bool, cascade: bool) -> str:
     """The rules of cpu_paged.py's docstring, written out on their own."""
     if not on_cpu:
         return "sdpa"
-    if amx:
+    if plain and amx:
         return "amx"
     if rows == "decode":
-        return "cascade_decode" if tiled and cascade else "paged_decode"
+        return "cascade_decode" if plain and tiled and cascade else "paged_decode"
     return "tiled_prefill" if tiled else "sdpa_prefill"
 
 
 @pytest.mark.parametrize(
-    ("rows", "on_cpu", "amx", "tiled", "cascade"),
-    list(itertools.product(("decode", "prefill"), *[(True, False)] * 4)),
+    ("rows", "on_cpu", "plain", "amx", "tiled", "cascade"),
+    list(itertools.product(("decode", "prefill"), *[(True, False)] * 5)),
 )
 def test_each_combination_of_conditions_takes_the_documented_path(
-    rows, on_cpu, amx, tiled, cascade, monkeypatch
+    rows, on_cpu, plain, amx, tiled, cascade, monkeypatch
 ):
     monkeypatch.setattr(cpu_paged, "amx_serves", lambda kv_cache: amx)
     monkeypatch.setattr(cpu_paged, "tiled_serves", lambda query, kv_cache: tiled)
@@ -41,8 +41,10 @@ def test_each_combination_of_conditions_takes_the_documented_path(
     query = torch.empty(2, 6, 16, device=device)
     kv_cache = torch.empty(2, 2, 4, 16, 16, device=device)
     meta = specs_metadata([(20, 1), (0, 5)], torch.zeros(2, 2, dtype=torch.long), [0] * 6, 16, "cpu")
-    expected = documented_path(rows, on_cpu, amx, tiled, cascade)
-    assert cpu_attention_path(rows, query, kv_cache, meta) == expected
+    # A plain layer, or one with a sliding window (a soft cap routes alike: test_attention_window.py).
+    params = AttentionParams(0.25) if plain else AttentionParams(0.25, sliding_window=8)
+    expected = documented_path(rows, on_cpu, plain, amx, tiled, cascade)
+    assert cpu_attention_path(rows, query, kv_cache, meta, params) == expected
 
 
 def test_off_the_cpu_no_kernel_is_asked_whether_it_serves(monkeypatch):
@@ -50,7 +52,7 @@ def test_off_the_cpu_no_kernel_is_asked_whether_it_serves(monkeypatch):
         monkeypatch.setattr(cpu_paged, check, lambda *args: pytest.fail("a CPU kernel was consulted"))
     query, kv_cache = torch.empty(1, 2, 16, device="meta"), torch.empty(2, 1, 1, 16, 16, device="meta")
     meta = specs_metadata([(3, 1)], torch.zeros(1, 1, dtype=torch.long), [0], 16, "cpu")
-    assert cpu_attention_path("decode", query, kv_cache, meta) == "sdpa"
+    assert cpu_attention_path("decode", query, kv_cache, meta, AttentionParams(0.25)) == "sdpa"
 
 
 def test_the_docstring_lists_the_table_in_its_order_and_its_words():

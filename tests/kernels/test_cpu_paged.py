@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, cpu_paged, get_attention_backend
+from kernels.attention import AttentionMetadata, AttentionParams, cpu_paged, get_attention_backend
 from kernels.attention.cpu_paged import cpu_paged_attention
 from kernels.attention.reference import reference_attention
 from kernels.attention.sdpa import sdpa_attention
 from kernels.build import cpu_kernels_available
 from tests.kernels.random_batch import random_paged_batch
-from tests.kernels.test_attention import DIM, MIXED, build_batch
+from tests.kernels.test_attention import MIXED, SCALE, build_batch
 
 needs_kernels = pytest.mark.skipif(
     not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here (no compiler or ninja)"
@@ -69,7 +69,7 @@ def test_decode_kernel_matches_reference(dtype, group, block_size):
     query, cache, meta = decode_batch(seq_lens, group, block_size, dtype)
     empty = torch.zeros(0, cache.shape[1], HEAD_DIM, dtype=dtype)
     scale = HEAD_DIM**-0.5
-    expected = reference_attention(query, empty, empty, cache, meta, scale)
+    expected = reference_attention(query, empty, empty, cache, meta, AttentionParams(scale))
     out = torch.full_like(query, float("nan"))
     torch.ops.raypage.paged_decode_attention(out, query, cache, meta.block_table, meta.seq_lens, scale)
     tol = TOLERANCE[dtype]
@@ -88,7 +88,7 @@ def test_bf16_shapes_on_either_kernel_match_reference(head_dim, group, block_siz
     seq_lens = list(range(130, 0, -1))
     query, cache, meta = decode_batch(seq_lens, group, block_size, torch.bfloat16, head_dim=head_dim)
     empty = torch.zeros(0, cache.shape[1], head_dim, dtype=torch.bfloat16)
-    expected = reference_attention(query, empty, empty, cache, meta, head_dim**-0.5)
+    expected = reference_attention(query, empty, empty, cache, meta, AttentionParams(head_dim**-0.5))
     out = torch.empty_like(query)
     torch.ops.raypage.paged_decode_attention(
         out, query, cache, meta.block_table, meta.seq_lens, head_dim**-0.5
@@ -104,7 +104,7 @@ def test_cache_slots_past_each_length_are_never_read_into_the_result(dtype):
     seq_lens = [47, 33, 17, 16, 3, 1]
     query, cache, meta = decode_batch(seq_lens, group=3, block_size=16, dtype=dtype)
     empty = torch.zeros(0, cache.shape[1], HEAD_DIM, dtype=dtype)
-    expected = reference_attention(query, empty, empty, cache, meta, 0.125)
+    expected = reference_attention(query, empty, empty, cache, meta, AttentionParams(0.125))
     for row, seq_len in enumerate(seq_lens):
         last = meta.block_table[row, (seq_len - 1) // 16]
         cache[:, :, last, seq_len % 16 or 16 :] = float("nan")
@@ -118,7 +118,7 @@ def test_cache_slots_past_each_length_are_never_read_into_the_result(dtype):
 def test_decode_rows_need_not_be_sorted():
     query, cache, meta = decode_batch([5, 300, 17, 64], group=3, block_size=16, dtype=torch.float32)
     empty = torch.zeros(0, cache.shape[1], HEAD_DIM)
-    expected = reference_attention(query, empty, empty, cache, meta, 0.125)
+    expected = reference_attention(query, empty, empty, cache, meta, AttentionParams(0.125))
     out = torch.empty_like(query)
     torch.ops.raypage.paged_decode_attention(out, query, cache, meta.block_table, meta.seq_lens, 0.125)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -129,8 +129,8 @@ def test_decode_rows_need_not_be_sorted():
 def test_mixed_batch_through_the_backend_matches_reference(dtype):
     # decodes, a fresh prefill and chunks with cached context, as the model runner batches them
     q, k, v, cache, meta, _ = build_batch(MIXED, dtype=dtype)
-    expected = reference_attention(q, k, v, cache.clone(), meta, DIM**-0.5)
-    out = cpu_paged_attention(q, k, v, cache, meta, DIM**-0.5)
+    expected = reference_attention(q, k, v, cache.clone(), meta, SCALE)
+    out = cpu_paged_attention(q, k, v, cache, meta, SCALE)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
@@ -139,9 +139,9 @@ def test_mixed_batch_through_the_backend_matches_reference(dtype):
 def test_many_decodes_through_the_backend_match_the_sdpa_backend():
     specs = [(context, 1) for context in range(40, 0, -3)]
     q, k, v, cache, meta, _ = build_batch(specs, num_blocks=256, dtype=torch.bfloat16)
-    expected = sdpa_attention(q, k, v, cache.clone(), meta, DIM**-0.5)
+    expected = sdpa_attention(q, k, v, cache.clone(), meta, SCALE)
     # Same roundings as the torch path (scores and probabilities to bf16): only summation order differs.
-    torch.testing.assert_close(cpu_paged_attention(q, k, v, cache, meta, DIM**-0.5), expected)
+    torch.testing.assert_close(cpu_paged_attention(q, k, v, cache, meta, SCALE), expected)
 
 
 @needs_kernels
@@ -158,7 +158,7 @@ def test_long_prefill_chunks_over_cached_context_match_reference(dtype, tiled, m
     pb = random_paged_batch(
         specs, heads=9, kv_heads=3, head_dim=HEAD_DIM, block_size=16, dtype=dtype, device=torch.device("cpu")
     )
-    scale = HEAD_DIM**-0.5
+    scale = AttentionParams(HEAD_DIM**-0.5)
     expected = reference_attention(pb.query, pb.key, pb.value, pb.kv_cache.clone(), pb.meta, scale)
     out = cpu_paged_attention(pb.query, pb.key, pb.value, pb.kv_cache, pb.meta, scale)
     tol = TOLERANCE[dtype]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.attention import AttentionParams
 from kernels.attention.flash_attn import flash_attn_attention, flash_attn_unavailable_reason, paged_views
 from kernels.attention.reference import reference_attention
 from tests.kernels.random_batch import random_paged_batch
@@ -58,12 +59,17 @@ def test_paged_views_read_the_cache_in_place():
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_flash_attn_equals_the_reference(specs, dtype):
+@pytest.mark.parametrize(
+    "params",
+    [AttentionParams(64**-0.5), AttentionParams(64**-0.5, sliding_window=300, logits_soft_cap=5.0)],
+    ids=["plain", "window-and-soft-cap"],
+)
+def test_flash_attn_equals_the_reference(specs, dtype, params):
     batch = random_paged_batch(
         specs, heads=8, kv_heads=2, head_dim=64, block_size=256, dtype=dtype, device=CUDA
     )
     expected_cache = batch.kv_cache.clone()
-    expected = reference_attention(batch.query, batch.key, batch.value, expected_cache, batch.meta, 64**-0.5)
-    out = flash_attn_attention(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, 64**-0.5)
+    expected = reference_attention(batch.query, batch.key, batch.value, expected_cache, batch.meta, params)
+    out = flash_attn_attention(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, params)
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(batch.kv_cache, expected_cache, rtol=0, atol=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.attention import AttentionParams
 from kernels.attention.cpu_paged import cascade_blocks, cpu_paged_attention
 from kernels.attention.reference import reference_attention
 from kernels.build import cpu_kernels_available
@@ -48,7 +49,9 @@ def tiled(pb: PagedBatch, out: torch.Tensor | None = None) -> torch.Tensor:
 
 def expected(pb: PagedBatch) -> torch.Tensor:
     scale = pb.query.shape[-1] ** -0.5
-    return reference_attention(pb.query, pb.key, pb.value, pb.kv_cache.clone(), pb.meta, scale)
+    return reference_attention(
+        pb.query, pb.key, pb.value, pb.kv_cache.clone(), pb.meta, AttentionParams(scale)
+    )
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8])
@@ -160,7 +163,7 @@ def test_the_backend_attends_a_shared_prefix_once_for_many_decodes() -> None:
     meta = pb.meta
     assert cascade_blocks(meta) == meta.shared_decode_blocks >= 9
     want = expected(pb)
-    got = cpu_paged_attention(pb.query, pb.key, pb.value, pb.kv_cache, meta, 0.125)
+    got = cpu_paged_attention(pb.query, pb.key, pb.value, pb.kv_cache, meta, AttentionParams(0.125))
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
     # Few rows, or a short prefix, attend the usual way.
     assert cascade_blocks(shared_prefix_decodes(8, 9).meta) == 0

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from kernels.attention import AttentionMetadata, get_attention_backend
+from kernels.attention import AttentionMetadata, AttentionParams, get_attention_backend
 from kernels.attention.triton_paged import decode_num_splits, paged_attention_rows, triton_attention
 from kernels.triton_cache import triton_reshape_and_cache
 from tests.kernels.test_attention import build_batch
@@ -43,10 +43,21 @@ def as_replayed_by_a_graph(meta: AttentionMetadata, num_blocks: int) -> Attentio
 
 
 def assert_matches_reference(
-    specs, dtype, block, heads, kv_heads, dim=HEAD_DIM, *, as_replayed=False, **launch
+    specs,
+    dtype,
+    block,
+    heads,
+    kv_heads,
+    dim=HEAD_DIM,
+    *,
+    as_replayed=False,
+    window=None,
+    soft_cap=None,
+    **launch,
 ):
     """The Triton backend's output and cache against the reference backend's on the same batch
-    (`as_replayed`: the backend sees the metadata a CUDA graph replays, the reference the true one)."""
+    (`as_replayed`: the backend sees the metadata a CUDA graph replays, the reference the true one),
+    the layer sliding over `window` tokens and capping its scores at `soft_cap` if given."""
     num_blocks = sum(-(-(context + new) // block) for context, new in specs) + 8
     q, k, v, cache, meta, _ = build_batch(
         specs,
@@ -58,9 +69,9 @@ def assert_matches_reference(
         block=block,
         device=DEVICE,
     )
-    scale = dim**-0.5
+    params = AttentionParams(dim**-0.5, window, soft_cap)
     expected_cache = cache.clone()
-    expected = get_attention_backend("reference")(q, k, v, expected_cache, meta, scale)
+    expected = get_attention_backend("reference")(q, k, v, expected_cache, meta, params)
     if launch:  # the kernel alone, on the decodes
         triton_reshape_and_cache(k, v, cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -73,12 +84,12 @@ def assert_matches_reference(
             meta.query_start_loc_tensor,
             range(meta.num_seqs),
             1,
-            scale,
+            params,
             **launch,
         )
     else:
         out = triton_attention(
-            q, k, v, cache, as_replayed_by_a_graph(meta, num_blocks) if as_replayed else meta, scale
+            q, k, v, cache, as_replayed_by_a_graph(meta, num_blocks) if as_replayed else meta, params
         )
     torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0)
     tol = TOLERANCE[dtype]
@@ -98,6 +109,16 @@ def test_mixed_batch_matches_the_reference(block, dtype):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (8, 1, 24)], ids=["mha", "mqa-dim24"])
 def test_head_layouts_match_the_reference(heads, kv_heads, dim):
     assert_matches_reference([(45, 1), (0, 7), (17, 3)], torch.float32, 16, heads, kv_heads, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("window", "soft_cap"), [(40, None), (None, 1.5), (17, 2.0)], ids=["window", "soft-cap", "both"]
+)
+def test_sliding_window_and_soft_cap_match_the_reference(dtype, window, soft_cap):
+    # Windows that start inside a key tile and inside a block, for decodes (the first split) and for
+    # prefill rows whose tile spans the window's start.
+    assert_matches_reference(BATCH, dtype, 16, heads=6, kv_heads=2, window=window, soft_cap=soft_cap)
 
 
 @pytest.mark.parametrize("num_splits", [2, 5, 16])

@@ -42,7 +42,7 @@ def attention_types(dtype: str) -> dict[str, str]:
         pointers[name] = f"*{dtype}"
     for name in ("partial_out_ptr", "partial_max_ptr", "partial_sum_ptr"):
         pointers[name] = "*fp32"
-    scalars = {"scale_log2": "fp32", "stride_c_head": "i64"}
+    scalars = {"scale_log2": "fp32", "soft_cap_log2": "fp32", "stride_c_head": "i64"}
     return (
         pointers
         | scalars
@@ -56,10 +56,12 @@ def attention_types(dtype: str) -> dict[str, str]:
 
 def main() -> None:
     for heads, kv_heads, head_dim in HEAD_LAYOUTS:
-        for max_query_len, num_splits in ((1, 1), (1, 4), (512, 1)):  # decodes, split decodes, prefill
+        # Decodes, split decodes and prefill; soft-capped (Gemma 2) or not, so both variants compile.
+        for max_query_len, num_splits, soft_cap in ((1, 1, False), (1, 4, True), (512, 1, True)):
             constants, num_warps = attention_constants(
                 heads, kv_heads, head_dim, 16, max_query_len, torch.bfloat16, num_splits
             )
+            constants["SOFT_CAP"] = soft_cap
             compile_for_gpu(paged_attention_kernel, attention_types("bf16"), constants, num_warps)
             print(f"attention {heads}/{kv_heads}x{head_dim} queries {max_query_len} splits {num_splits}: ok")
     merge_types = {name: "i32" for name in merge_splits_kernel.arg_names if name.islower()}

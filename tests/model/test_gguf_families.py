@@ -20,7 +20,8 @@ from tests.model.tiny_gguf import write_gguf
 _READER_DEFAULTS = {
     "qwen3": {"head_dim": 128},
     "phi3": {},
-    "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256},
+    # llama.cpp ties Gemma 2's output to its embedding (its GGUF has no `output` tensor).
+    "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "tie_word_embeddings": True},
     "gemma3": {
         "head_dim": 256,
         "query_pre_attn_scalar": 256,

@@ -6,7 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from engine.frontend.tokenizer import load_tokenizer
 from engine.models.model_files import ModelSource, packaged_model_path
@@ -24,8 +31,10 @@ def write_tiny_model(
     max_position_embeddings: int = 512,
     hidden_size: int = 64,
     intermediate_size: int = 128,
+    sliding_window: int = 16,
 ) -> Path:
-    """A 2-layer model with SmolLM2's tokenizer (so text prompts work) and random weights."""
+    """A 2-layer model with SmolLM2's tokenizer (so text prompts work) and random weights
+    (`sliding_window`: Mistral's, on every layer)."""
     tokenizer = load_tokenizer(ModelSource(packaged_model_path(), "gguf"))
     settings = dict(
         vocab_size=len(tokenizer),
@@ -44,6 +53,8 @@ def write_tiny_model(
     torch.manual_seed(seed)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**settings))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**settings, sliding_window=sliding_window))
     else:
         model = LlamaForCausalLM(LlamaConfig(**settings))
     # Random init leaves tiny weights and near-uniform logits; widen them so greedy picks are decisive.

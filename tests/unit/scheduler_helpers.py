@@ -150,6 +150,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     num_cpu_blocks: int = 0,
     preemption_mode: str | None = None,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -161,13 +162,15 @@ def make_scheduler(
         num_kv_blocks=num_blocks,
         max_model_len=max_model_len,
         num_cpu_blocks=num_cpu_blocks,
+        sliding_window=sliding_window,
     )
 
 
 def scheduler_and_worker(token_fn: TokenFn = default_token_fn, **kwargs: Any) -> tuple[Scheduler, FakeWorker]:
     """A scheduler (`make_scheduler`'s keywords) and a fake worker that cross-checks it."""
     scheduler = make_scheduler(**kwargs)
-    return scheduler, FakeWorker(scheduler.block_size, token_fn, scheduler)
+    window = scheduler.kv_cache_manager.sliding_window
+    return scheduler, FakeWorker(scheduler.block_size, token_fn, scheduler, window=window)
 
 
 def scripted(script: dict[str, list[int]], prompt_lens: dict[str, int]) -> TokenFn:
@@ -222,6 +225,8 @@ class FakeWorker:
     # Optional cross-check: the scheduler's own view must agree with what the deltas say.
     scheduler: Scheduler | None = None
     vocab: int = VOCAB
+    # Every layer's sliding window, if all slide: a query sees only that many positions back.
+    window: int | None = None
     states: dict[str, _WorkerState] = field(default_factory=dict)
     # block id -> fingerprints of what each of its slots holds (None: never written), per cache.
     device: dict[int, list[int | None]] = field(default_factory=dict)
@@ -264,7 +269,7 @@ class FakeWorker:
         for seq_id, num in out.num_scheduled_tokens.items():
             state = self.states[seq_id]
             end = state.num_computed + num
-            self._check_attended_kv(seq_id, end)
+            self._check_attended_kv(seq_id, self._first_visible(state.num_computed), end)
             state.num_computed = end
             reaches_end = end == len(state.tokens)
             self._cross_check(seq_id, state, reaches_end)
@@ -329,9 +334,13 @@ class FakeWorker:
             block_id, offset = self._slot(state, position)
             self._block(self.device, block_id)[offset] = state.fingerprint(position)
 
-    def _check_attended_kv(self, seq_id: str, end: int) -> None:
+    def _first_visible(self, position: int) -> int:
+        """The first position a query at `position` attends to."""
+        return 0 if self.window is None else max(position - self.window + 1, 0)
+
+    def _check_attended_kv(self, seq_id: str, start: int, end: int) -> None:
         state = self.states[seq_id]
-        for position in range(end):
+        for position in range(start, end):
             block_id, offset = self._slot(state, position)
             assert self._block(self.device, block_id)[offset] == state.fingerprint(position), (
                 f"{seq_id}: KV at position {position} (block {block_id}, slot {offset}) is stale"
@@ -356,7 +365,11 @@ class FakeWorker:
         seq = scheduler.groups.seqs[seq_id]
         assert seq.all_token_ids == state.tokens, f"{seq_id}: worker tokens diverged"
         assert seq.num_computed_tokens == state.num_computed
-        assert scheduler.kv_cache_manager.block_ids(seq_id) == state.block_ids, f"{seq_id}: block tables"
+        # Entries before the window may have been freed: the scheduler's point at its null block,
+        # the worker's keep their old ids; neither is read.
+        first_block = self._first_visible(state.num_computed) // self.block_size
+        scheduler_ids = scheduler.kv_cache_manager.block_ids(seq_id)
+        assert scheduler_ids[first_block:] == state.block_ids[first_block:], f"{seq_id}: block tables"
         assert (seq.num_computed_tokens == seq.num_tokens) == reaches_end
 
 

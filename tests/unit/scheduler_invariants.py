@@ -11,20 +11,33 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from engine.sched.block_pool import BlockPool, KVCacheBlock
+from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.request import Request, RequestStatus, Sequence
 from engine.sched.scheduler import Scheduler
 
 
-def held_blocks(scheduler: Scheduler) -> dict[str, list[int]]:
-    """Device block ids each sequence holds (sequences holding none left out)."""
+def held_blocks(scheduler: Scheduler) -> dict[str, list[int | None]]:
+    """Device block ids each sequence holds (sequences holding none left out), None where a block
+    was freed outside the sliding window."""
     kv = scheduler.kv_cache_manager
-    return {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.seq_block_tables.items() if blocks}
+    return {seq_id: _ids(kv, blocks) for seq_id, blocks in kv.seq_block_tables.items() if blocks}
 
 
-def swapped_blocks(scheduler: Scheduler) -> dict[str, list[int]]:
-    """CPU block ids each swapped-out sequence holds."""
+def swapped_blocks(scheduler: Scheduler) -> dict[str, list[int | None]]:
+    """CPU block ids each swapped-out sequence holds (None as in `held_blocks`)."""
     kv = scheduler.kv_cache_manager
-    return {seq_id: [b.block_id for b in blocks] for seq_id, blocks in kv.swapped_blocks.items() if blocks}
+    return {seq_id: _ids(kv, blocks) for seq_id, blocks in kv.swapped_blocks.items() if blocks}
+
+
+def _ids(kv: KVCacheManager, blocks: list[KVCacheBlock]) -> list[int | None]:
+    return [None if block is kv.null_block else block.block_id for block in blocks]
+
+
+def _without_freed(
+    kv: KVCacheManager, tables: dict[str, list[KVCacheBlock]]
+) -> dict[str, list[KVCacheBlock]]:
+    """The tables' pool blocks: the places freed outside the sliding window left out."""
+    return {seq_id: [b for b in blocks if b is not kv.null_block] for seq_id, blocks in tables.items()}
 
 
 # ---- invariants: each rule a named predicate, so that a failure says which rule broke ----------
@@ -86,14 +99,14 @@ def assert_cpu_pool_consistent(scheduler: Scheduler) -> None:
     if kv.cpu_pool is None:
         assert not any(kv.swapped_blocks.values()), "blocks swapped out without a CPU pool"
         return
-    assert_pool_consistent(kv.cpu_pool, kv.swapped_blocks, "cpu")
+    assert_pool_consistent(kv.cpu_pool, _without_freed(kv, kv.swapped_blocks), "cpu")
     assert all(b.block_hash is None for b in kv.cpu_pool.blocks) and not kv.cpu_pool.cached_blocks, (
         "the CPU pool caches a prefix"
     )
 
 
 def assert_shared_blocks_hold_one_prefix(
-    tables: dict[str, list[int]], seqs: dict[str, Sequence], block_size: int
+    tables: dict[str, list[int | None]], seqs: dict[str, Sequence], block_size: int
 ) -> None:
     """A block in several tables sits at one position, holding the same tokens for every holder:
     a full block of equal prefixes (prefix cache, forks), or a fork's partial block that no holder
@@ -101,7 +114,8 @@ def assert_shared_blocks_hold_one_prefix(
     where: dict[int, list[tuple[str, int]]] = defaultdict(list)
     for seq_id, table in tables.items():
         for index, block_id in enumerate(table):
-            where[block_id].append((seq_id, index))
+            if block_id is not None:
+                where[block_id].append((seq_id, index))
     for block_id, places in where.items():
         if len(places) < 2:
             continue
@@ -192,11 +206,16 @@ def assert_seq_blocks_fit_queue(
     queue: str, seq: Sequence, scheduler: Scheduler, tables: _BlockTables
 ) -> None:
     """A running sequence holds exactly the device blocks its computed tokens need (full ones only
-    published), a swapped one as many CPU blocks, and a waiting one none and no computed tokens."""
+    published), a swapped one as many CPU blocks, and a waiting one none and no computed tokens; a
+    place is freed only wholly before the sliding window of the sequence's next token."""
     kv = scheduler.kv_cache_manager
     block_size = scheduler.block_size
     num_blocks = -(-seq.num_computed_tokens // block_size)
     device, cpu = tables.device.get(seq.seq_id), tables.cpu.get(seq.seq_id)
+    window = kv.sliding_window
+    freeable = 0 if window is None else max(seq.num_computed_tokens - window + 1, 0) // block_size
+    freed = [index for index, block_id in enumerate(device or cpu or []) if block_id is None]
+    assert all(index < freeable for index in freed), f"{seq} freed blocks {freed} inside its window"
     if queue == "running":
         assert len(device or []) == num_blocks, f"running {seq} holds blocks {device}"
         assert cpu is None, f"running {seq} holds CPU blocks"
@@ -222,8 +241,8 @@ def assert_only_running_seqs_hold_device_blocks(scheduler: Scheduler, tables: _B
 class _BlockTables:
     """Block ids each sequence holds, on the device and in the CPU pool (holders of none left out)."""
 
-    device: dict[str, list[int]]
-    cpu: dict[str, list[int]]
+    device: dict[str, list[int | None]]
+    cpu: dict[str, list[int | None]]
 
     @classmethod
     def of(cls, scheduler: Scheduler) -> _BlockTables:
@@ -233,7 +252,7 @@ class _BlockTables:
 def check_invariants(scheduler: Scheduler) -> None:
     """Pool and scheduler invariants that hold between any two calls into the scheduler."""
     kv = scheduler.kv_cache_manager
-    assert_pool_consistent(kv.block_pool, kv.seq_block_tables, "device")
+    assert_pool_consistent(kv.block_pool, _without_freed(kv, kv.seq_block_tables), "device")
     assert_cpu_pool_consistent(scheduler)
     assert_each_request_in_one_queue(scheduler)
     assert_queues_in_priority_order(scheduler)
