@@ -32,10 +32,12 @@ from cluster.openai.protocol import (
     MAX_TIMEOUT_S,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ModelList,
     OpenAIBaseModel,
+)
+from cluster.openai.protocol_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )

@@ -6,7 +6,12 @@ from __future__ import annotations
 from http import HTTPStatus
 
 from cluster.openai.errors import OpenAIError
-from cluster.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from cluster.openai.protocol_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from cluster.openai.serving_engine import OpenAIServing
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.model.engine_greedy import engine_greedy
 from tests.model.hf_reference import hf_greedy
-from tests.model.test_model_families import PROMPTS, _engine_greedy
+from tests.model.test_model_families import PROMPTS
 from tests.model.tiny_families import write_family_model
 from tests.model.tiny_gguf import write_gguf
 
@@ -40,6 +41,6 @@ def test_gguf_family_matches_transformers(tmp_path, family):
     hf = AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    outputs = _engine_greedy(path, PROMPTS, 10, num_kv_blocks=48, max_num_batched_tokens=16)
+    outputs = engine_greedy(path, PROMPTS, 10, num_kv_blocks=48, max_num_batched_tokens=16)
     for output, prompt in zip(outputs, PROMPTS, strict=True):
         assert output == hf_greedy(hf, prompt, 10)

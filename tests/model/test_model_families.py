@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
+from tests.model.engine_greedy import engine_greedy
 from tests.model.hf_reference import hf_greedy
 from tests.model.tiny_families import SLIDING_WINDOW, write_family_model
 
@@ -17,21 +17,11 @@ PROMPTS = [[5, 17, 300, 42], [1000, 2000, 3000], list(range(100, 100 + 3 * SLIDI
 MAX_TOKENS = 12
 
 
-def _engine_greedy(folder, prompts, max_tokens, **settings) -> list[list[int]]:
-    llm = LLM(str(folder), dtype="float32", block_size=8, max_num_seqs=4, **settings)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [output.outputs[0].token_ids for output in outputs]
-    finally:
-        llm.llm_engine.shutdown()
-
-
 @pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2", "gemma3"])
 def test_family_matches_transformers(tmp_path, family):
     folder = write_family_model(tmp_path / family, family)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    outputs = _engine_greedy(folder, PROMPTS, MAX_TOKENS, num_kv_blocks=48, max_num_batched_tokens=16)
+    outputs = engine_greedy(folder, PROMPTS, MAX_TOKENS, num_kv_blocks=48, max_num_batched_tokens=16)
     for output, prompt in zip(outputs, PROMPTS, strict=True):
         assert output == hf_greedy(hf, prompt, MAX_TOKENS)
 
@@ -43,6 +33,6 @@ def test_rope_scaling_matches_transformers(tmp_path, family):
     folder = write_family_model(tmp_path / family, family)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = [list(range(200, 240)), [9, 8, 7]]
-    outputs = _engine_greedy(folder, prompts, 24, num_kv_blocks=32)
+    outputs = engine_greedy(folder, prompts, 24, num_kv_blocks=32)
     for output, prompt in zip(outputs, prompts, strict=True):
         assert output == hf_greedy(hf, prompt, 24)

@@ -13,12 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import parallel.state as parallel_state
-from engine import LLM, SamplingParams
 from engine.models.loader import iterate_safetensors_weights
 from engine.models.model_files import ModelSource, read_arch_config
 from engine.models.moe import FusedMoE
 from engine.models.registry import get_model_class
 from kernels.moe import fused_experts, select_experts
+from tests.model.engine_greedy import engine_greedy
 from tests.model.hf_reference import hf_greedy
 from tests.model.tiny_moe import write_tiny_moe
 
@@ -38,18 +38,9 @@ def test_tiny_moe_matches_transformers(tmp_path, options):
     folder = write_tiny_moe(tmp_path / "model", **options)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     # Chunked prefill over a small cache, so that steps mix prefill and decode rows.
-    llm = LLM(
-        str(folder),
-        dtype="float32",
-        num_kv_blocks=32,
-        block_size=8,
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outputs = engine_greedy(folder, PROMPTS, MAX_TOKENS, num_kv_blocks=32, max_num_batched_tokens=16)
     for output, prompt in zip(outputs, PROMPTS, strict=True):
-        assert output.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+        assert output == hf_greedy(hf, prompt, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
 from engine.models.loader import safetensors_files
+from tests.model.engine_greedy import engine_greedy
 from tests.model.hf_reference import hf_greedy
 from tests.model.tiny_models import write_tiny_model
 
@@ -32,15 +32,6 @@ def test_tiny_model_matches_transformers(tmp_path, options):
         assert len(safetensors_files(folder)) > 1
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     # Chunked prefill over a small cache, so the paged paths all run.
-    llm = LLM(
-        str(folder),
-        dtype="float32",
-        num_kv_blocks=32,
-        block_size=8,
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outputs = engine_greedy(folder, PROMPTS, MAX_TOKENS, num_kv_blocks=32, max_num_batched_tokens=16)
     for output, prompt in zip(outputs, PROMPTS, strict=True):
-        assert output.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+        assert output == hf_greedy(hf, prompt, MAX_TOKENS)
