@@ -122,8 +122,8 @@ class ArchConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            # Qwen2 always has biases on Q, K and V (and never on the output projection).
-            qkv_bias=is_qwen2 or attention_bias,
+            # Qwen2 has biases on Q, K and V (Qwen2-MoE says so in qkv_bias), never on the output.
+            qkv_bias=bool(config.get("qkv_bias", is_qwen2 or attention_bias)),
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(config.get("mlp_bias", False)),
             rope_scaling=dict(scaling) if scaling else None,
@@ -139,8 +139,9 @@ class ArchConfig:
             num_experts=config.get("num_local_experts") or config.get("num_experts") or 0,
             num_experts_per_tok=config.get("num_experts_per_tok") or 0,
             moe_intermediate_size=config.get("moe_intermediate_size") or config["intermediate_size"],
-            # Mixtral always renormalizes the top-k weights; Qwen3-MoE says whether it does.
-            norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+            # Mixtral always renormalizes the top-k weights; Qwen's configs say whether they do
+            # (transformers' default: not).
+            norm_topk_prob=bool(config.get("norm_topk_prob", architecture.startswith("Mixtral"))),
             shared_expert_intermediate_size=config.get("shared_expert_intermediate_size") or 0,
             decoder_sparse_step=config.get("decoder_sparse_step") or 1,
             mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),

@@ -4,6 +4,10 @@ llama.cpp's converter permutes the rows of Llama's Q and K projections to suit i
 (pairs of adjacent features instead of halves), and stores Gemma's norms as 1 + weight; loading
 undoes both, so the weights match the Hugging Face checkpoint the GGUF came from. Qwen2/3, Phi-3 and
 Gemma are converted without the permutation.
+
+Mixtures of experts (`qwen2moe`, `qwen3moe`, and Mixtral as `llama` with an expert count) hold each
+layer's experts stacked in one tensor a projection (`ffn_gate_exps` [experts, intermediate,
+hidden], ...); they are read as the stacked `mlp.experts.gate_proj` etc., which the model splits.
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _GEMMA_NORMS = {
@@ -51,6 +63,11 @@ class _GGUFArchitecture:
     layer_tensors: dict[str, str] = dataclasses.field(default_factory=dict)
     # Gemma's norms are stored as 1 + weight (the converter adds the one that Gemma's norm adds).
     norms_plus_one: bool = False
+    # The architecture with experts where the file has an expert count (Mixtral is `llama`).
+    moe_architecture: str | None = None
+    # Whether the top-k routing weights are renormalized where the file does not say
+    # (`expert_weights_norm`): what llama.cpp does for the architecture.
+    norm_topk_prob: bool = True
 
     def hf_layer_tensor(self, kind: str) -> str | None:
         return self.layer_tensors.get(kind) or _LAYER_TENSORS.get(kind)
@@ -58,10 +75,12 @@ class _GGUFArchitecture:
 
 # GGUF architecture -> how to read it as the Hugging Face architecture our registry knows.
 _ARCHITECTURES = {
-    "llama": _GGUFArchitecture("LlamaForCausalLM", permuted=True),
+    "llama": _GGUFArchitecture("LlamaForCausalLM", permuted=True, moe_architecture="MixtralForCausalLM"),
     "mistral": _GGUFArchitecture("MistralForCausalLM", permuted=True),
     "qwen2": _GGUFArchitecture("Qwen2ForCausalLM"),
+    "qwen2moe": _GGUFArchitecture("Qwen2MoeForCausalLM", norm_topk_prob=False),
     "qwen3": _GGUFArchitecture("Qwen3ForCausalLM", layer_tensors=_QK_NORMS),
+    "qwen3moe": _GGUFArchitecture("Qwen3MoeForCausalLM", layer_tensors=_QK_NORMS),
     # Phi-3's fused projections keep their fusion: the model splits them (engine/models/phi3.py).
     "phi3": _GGUFArchitecture(
         "Phi3ForCausalLM", layer_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
@@ -102,7 +121,9 @@ def read_gguf_arch_config(path: Path) -> ArchConfig:
         }
     num_layers = get(f"{arch}.block_count")
     head_dim = get(f"{arch}.attention.key_length", hidden_size // num_heads)
-    architecture = _ARCHITECTURES[arch].hf_architecture
+    spec = _ARCHITECTURES[arch]
+    experts = _experts(gguf, arch, spec)
+    architecture = spec.moe_architecture if experts and spec.moe_architecture else spec.hf_architecture
     gemma: dict[str, Any] = {}
     if arch in _GEMMA_27B_LAYERS:
         big = num_layers == _GEMMA_27B_LAYERS[arch]
@@ -117,7 +138,7 @@ def read_gguf_arch_config(path: Path) -> ArchConfig:
         architecture=architecture,
         vocab_size=get(f"{arch}.vocab_size") or len(get("tokenizer.ggml.tokens", ())),
         hidden_size=hidden_size,
-        intermediate_size=get(f"{arch}.feed_forward_length"),
+        intermediate_size=get(f"{arch}.feed_forward_length") or get(f"{arch}.expert_feed_forward_length"),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=get(f"{arch}.attention.head_count_kv", num_heads),
@@ -133,7 +154,25 @@ def read_gguf_arch_config(path: Path) -> ArchConfig:
         sliding_window=get(f"{arch}.attention.sliding_window"),
         layer_types=layer_types_of({}, architecture, num_layers),
         **gemma,
+        **experts,
     )
+
+
+def _experts(gguf: GGUFFile, arch: str, spec: _GGUFArchitecture) -> dict[str, Any]:
+    """The ArchConfig fields of a mixture of experts ({} for a dense model); llama.cpp's experts
+    are in every layer."""
+    get = gguf.get
+    num_experts = get(f"{arch}.expert_count") or 0
+    if not num_experts:
+        return {}
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": get(f"{arch}.expert_used_count"),
+        "moe_intermediate_size": get(f"{arch}.expert_feed_forward_length")
+        or get(f"{arch}.feed_forward_length"),
+        "shared_expert_intermediate_size": get(f"{arch}.expert_shared_feed_forward_length") or 0,
+        "norm_topk_prob": bool(get(f"{arch}.expert_weights_norm", spec.norm_topk_prob)),
+    }
 
 
 def _hf_name(gguf_name: str, arch: _GGUFArchitecture) -> str:

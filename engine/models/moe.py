@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts blocks (Mixtral, Qwen3-MoE): a router and a fused layer of experts.
+"""Sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE): a router and a fused layer of
+experts, and for Qwen2-MoE a shared expert that every token goes through.
 
 The router's logits pick each token's top-k experts (kernels/moe.py, `select_experts`), and
 `FusedMoE` runs every token through its experts in one call (`fused_experts`: the C++ kernel on the
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from engine.models.arch_config import ArchConfig
-from engine.models.decoder import CausalLM
+from engine.models.decoder import CausalLM, GatedMLP
 from kernels.linear import linear
 from kernels.moe import fused_experts, select_experts
 from parallel.comm import tensor_parallel_all_reduce
@@ -40,15 +41,23 @@ _SHARDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
 class Router(nn.Module):
-    """The router's projection to one logit per expert, whole on every rank."""
+    """The router's projection to one logit per expert (or the shared expert's one gate logit),
+    whole on every rank."""
 
-    def __init__(self, hidden_size: int, num_experts: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, num_outputs: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.weight = nn.Parameter(torch.empty(num_outputs, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = _router_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.weight)
+
+
+def _router_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    # llama.cpp stores the shared expert's gate [1, hidden] as a vector of hidden values.
+    if loaded.dim() == 1 and param.shape[0] == 1:
+        loaded = loaded.unsqueeze(0)
+    default_weight_loader(param, loaded)
 
 
 class FusedMoE(nn.Module):
@@ -124,14 +133,17 @@ class FusedMoE(nn.Module):
 class SparseMoeBlock(nn.Module):
     """A decoder layer's MLP as a mixture of experts: `gate` (the router) and `experts`."""
 
+    # Whether the family runs the config's shared expert (a config that has one is refused otherwise).
+    has_shared_expert: bool = False
+
     def __init__(self, config: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(
                 f"{config.architecture}: experts with hidden_act {config.hidden_act!r} are not supported"
             )
-        if config.shared_expert_intermediate_size:
-            raise ValueError(f"{config.architecture}: shared experts are not supported")
+        if config.shared_expert_intermediate_size and not self.has_shared_expert:
+            raise ValueError(f"{config.architecture}: shared experts are not supported for this family")
         self.gate = Router(config.hidden_size, config.num_experts, dtype)
         self.experts = FusedMoE(
             config.num_experts,
@@ -144,6 +156,22 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, self.gate(hidden))
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Routed experts plus a shared expert (a gated MLP split over the TP group like a dense one)
+    whose output every token adds, weighted by sigmoid(shared_expert_gate · x) (Qwen2-MoE)."""
+
+    has_shared_expert = True
+
+    def __init__(self, config: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__(config, dtype)
+        self.shared_expert = GatedMLP(config, dtype, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = Router(config.hidden_size, 1, dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return super().forward(hidden) + shared
 
 
 class MoECausalLM(CausalLM):
@@ -162,21 +190,38 @@ class MoECausalLM(CausalLM):
         return super().param_target(name)
 
 
+# Experts stacked in one tensor: transformers 5's in-memory gate_up_proj [E, 2I, H] and down_proj
+# [E, H, I]; llama.cpp's ffn_{gate,up,down}_exps, read as gate_proj / up_proj [E, I, H] and down_proj.
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
+
+
 def _split_stacked_experts(
     weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """transformers 5's stacked experts as the per-expert tensors Hub checkpoints hold."""
+    """Stacked experts as the per-expert tensors Hub checkpoints hold."""
     for name, tensor in weights:
-        if name.endswith(".experts.gate_up_proj"):
-            gates, ups = tensor.chunk(2, dim=1)
-            for expert in range(tensor.shape[0]):
-                yield f"{name[: -len('gate_up_proj')]}{expert}.gate_proj.weight", gates[expert]
-                yield f"{name[: -len('gate_up_proj')]}{expert}.up_proj.weight", ups[expert]
-        elif name.endswith(".experts.down_proj"):
-            for expert in range(tensor.shape[0]):
-                yield f"{name[: -len('down_proj')]}{expert}.down_proj.weight", tensor[expert]
-        else:
+        match = _STACKED_EXPERTS.match(name)
+        if match is None or tensor.dim() != 3:
             yield name, tensor
+            continue
+        experts, projection = match.groups()
+        if projection == "gate_up_proj":
+            parts = dict(zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=1), strict=True))
+        else:
+            parts = {projection: tensor}
+        for expert in range(tensor.shape[0]):
+            for part, stacked in parts.items():
+                yield f"{experts}.{expert}.{part}.weight", stacked[expert]
+
+
+def build_moe_mlp(config: ArchConfig, layer_index: int, dtype: torch.dtype) -> nn.Module:
+    """A Qwen-style layer's MLP: experts (with the shared one where the config has it) on the
+    sparse layers, a dense gated MLP on the others."""
+    if not is_sparse_layer(config, layer_index):
+        return GatedMLP(config, dtype)
+    if config.shared_expert_intermediate_size:
+        return SharedExpertMoeBlock(config, dtype)
+    return SparseMoeBlock(config, dtype)
 
 
 def is_sparse_layer(config: ArchConfig, layer_index: int) -> bool:

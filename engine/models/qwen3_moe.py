@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from engine.models.arch_config import ArchConfig
-from engine.models.decoder import GatedMLP
-from engine.models.moe import MoECausalLM, SparseMoeBlock, is_sparse_layer
+from engine.models.moe import MoECausalLM, build_moe_mlp
 from engine.models.qwen3 import Qwen3DecoderLayer
 
 
@@ -16,9 +15,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     """A Qwen3 layer whose MLP is sparse where the config says so."""
 
     def build_mlp(self, config: ArchConfig, layer_index: int, dtype: torch.dtype) -> nn.Module:
-        if is_sparse_layer(config, layer_index):
-            return SparseMoeBlock(config, dtype)
-        return GatedMLP(config, dtype)
+        return build_moe_mlp(config, layer_index, dtype)
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):

@@ -36,16 +36,24 @@ def qwen3_moe(tmp_path_factory):
     return write_tiny_moe(tmp_path_factory.mktemp("qwen3-moe") / "model", norm_topk_prob=True)
 
 
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    # A shared expert beside the routed ones: split over the ranks like a dense MLP under both layouts.
+    return write_tiny_moe(tmp_path_factory.mktemp("qwen2-moe") / "model", family="qwen2_moe")
+
+
 def generate(llm: LLM):
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
 
 
 @pytest.mark.slow  # worker processes
-def test_tensor_and_expert_parallel_match_one_worker(qwen3_moe):
-    reference = generate(LLM(str(qwen3_moe), **TINY))
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_tensor_and_expert_parallel_match_one_worker(request, family):
+    folder = request.getfixturevalue(family)
+    reference = generate(LLM(str(folder), **TINY))
     for expert_parallel in (False, True):
         llm = LLM(
-            str(qwen3_moe),
+            str(folder),
             distributed_executor_backend="mp",
             tensor_parallel_size=2,
             enable_expert_parallel=expert_parallel,

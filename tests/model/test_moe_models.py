@@ -1,4 +1,4 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral) against transformers, and the expert layer's shards.
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers, and the expert layer's shards.
 
 The checkpoints are tiny random models written by transformers itself (tests/model/tiny_moe.py):
 per-expert tensors as save_pretrained writes them (Mixtral's under its Hub names), and the stacked
@@ -32,6 +32,8 @@ MAX_TOKENS = 12
         # Qwen3-MoE without renormalized top-k weights, its second layer a dense MLP.
         pytest.param({"norm_topk_prob": False, "mlp_only_layers": [1]}, id="qwen3-moe"),
         pytest.param({"family": "mixtral"}, id="mixtral"),
+        # A shared expert beside the routed ones; renormalized top-k weights.
+        pytest.param({"family": "qwen2_moe", "norm_topk_prob": True}, id="qwen2-moe"),
     ],
 )
 def test_tiny_moe_matches_transformers(tmp_path, options):

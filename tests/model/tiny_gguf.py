@@ -1,12 +1,18 @@
 """A tiny Hugging Face checkpoint converted to GGUF the way llama.cpp's converter names and stores
 it, with gguf-py's own tensor-name map (not the engine's) and SmolLM2's tokenizer copied from the
-packaged GGUF, so that transformers' GGUF reader can serve as the independent reference."""
+packaged GGUF, so that transformers' GGUF reader can serve as the independent reference.
+
+Mixtures of experts are stacked a projection per layer (`ffn_gate_exps` [experts, intermediate,
+hidden]) and Llama's (Mixtral's) Q and K rows permuted, as llama.cpp's converter writes them."""
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -17,7 +23,54 @@ _GGUF_ARCHITECTURES = {
     "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
     "Gemma2ForCausalLM": gguf.MODEL_ARCH.GEMMA2,
     "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
+    "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
+    "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
+    "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,
 }
+# One expert's projection, by Hub names (Qwen's and Mixtral's).
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+
+
+def _llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter's `permute` of Llama's Q and K rows to its rotary layout."""
+    return (
+        weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def _converted_tensors(folder: Path, config: dict) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors as float32 arrays under Hugging Face names, with each layer's experts
+    stacked under `...experts.<projection>.weight` and Llama's Q/K rows permuted."""
+    tensors: dict[str, np.ndarray] = {}
+    experts: defaultdict[str, dict[int, np.ndarray]] = defaultdict(dict)
+    llama = config["architectures"][0] == "MixtralForCausalLM"
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        values = tensor.to(torch.float32).numpy()
+        if match := _EXPERT.match(name):
+            module, expert, projection = match.groups()
+            experts[f"{module}.{projection}.weight"][int(expert)] = values
+            continue
+        if llama and name.endswith("q_proj.weight"):
+            values = _llama_cpp_permute(values, config["num_attention_heads"])
+        elif llama and name.endswith("k_proj.weight"):
+            values = _llama_cpp_permute(values, config["num_key_value_heads"])
+        tensors[name] = values
+    for name, by_expert in experts.items():
+        tensors[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return tensors
+
+
+def _add_expert_settings(writer: gguf.GGUFWriter, config: dict) -> None:
+    num_experts = config.get("num_local_experts") or config.get("num_experts")
+    if not num_experts:
+        return
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
@@ -56,16 +109,17 @@ def write_gguf(folder: Path, config: dict, target: Path) -> Path:
     if config.get("attn_logit_softcapping"):
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    _add_expert_settings(writer, config)
     _copy_tokenizer(writer)
     names = gguf.get_tensor_name_map(arch, num_layers)
     gemma = architecture.startswith("Gemma")
-    for hf_name, tensor in load_file(folder / "model.safetensors").items():
+    for hf_name, tensor in _converted_tensors(folder, config).items():
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"gguf-py has no name for {hf_name}")
         if gemma and hf_name.endswith("norm.weight"):
             tensor = tensor + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
-        writer.add_tensor(gguf_name, tensor.to(torch.float32).numpy())
+        writer.add_tensor(gguf_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

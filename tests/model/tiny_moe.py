@@ -1,5 +1,5 @@
-"""Tiny random-weight mixtures of experts (Qwen3-MoE, Mixtral) written by transformers itself, so
-that tests read the checkpoint names it writes."""
+"""Tiny random-weight mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) written by transformers
+itself, so that tests read the checkpoint names it writes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from engine.frontend.tokenizer import load_tokenizer
 from engine.models.model_files import ModelSource, packaged_model_path
@@ -47,6 +54,16 @@ def write_tiny_moe(
     if family == "mixtral":
         config = MixtralConfig(**common, intermediate_size=32, num_local_experts=num_experts, **settings)
         model = MixtralForCausalLM(config)
+    elif family == "qwen2_moe":
+        config = Qwen2MoeConfig(
+            **common,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=num_experts,
+            **settings,
+        )
+        model = Qwen2MoeForCausalLM(config)
     else:
         config = Qwen3MoeConfig(
             **common,
