@@ -9,7 +9,10 @@ Sliding windows (vLLM's SlidingWindowManager): when every layer of the model sli
 position p sees no key before p - window + 1, so a block wholly before the first key that a
 sequence's next token sees is dead for good. `free_blocks_outside_window` returns such blocks to the
 pool as the sequence grows (their hashes stay: a later prompt with that prefix may still hit them)
-and leaves `null_block` at their places in the table, so that positions keep their indices. The
+and leaves `null_block` at their places in the table, so that positions keep their indices; a
+prefix hit needs and takes only the cached blocks inside the window of its first computed token,
+with `null_block` before them (`_window_hits`). A sequence so holds at most a window and a step's tokens at once
+(`window_blocks`), however long it grows. The
 workers are not told: their copies of those entries keep the old ids, which no kernel reads (every
 backend starts at the block holding a query's first visible key), as in vLLM.
 """
@@ -35,6 +38,12 @@ def freeing_window(layer_windows: Iterable[int | None]) -> int | None:
     if not windows or None in windows:
         return None
     return max(window for window in windows if window is not None)
+
+
+def window_blocks(sliding_window: int, num_step_tokens: int, block_size: int) -> int:
+    """The most blocks a sequence holds under a freeing window when a step computes up to
+    `num_step_tokens` of its tokens: those from the block of the first visible key to the last new one."""
+    return cdiv(sliding_window - 1 + num_step_tokens, block_size) + 1
 
 
 @dataclasses.dataclass(slots=True)
@@ -126,6 +135,8 @@ class KVCacheManager:
             return [], 0
         hashes = self._block_hashes(seq)
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            return self._window_hits(hashes[:max_hit_blocks])
         hits: list[KVCacheBlock] = []
         for block_hash in hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -133,6 +144,24 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _window_hits(self, hashes: list[BlockHash]) -> tuple[list[KVCacheBlock], int]:
+        """The longest prefix whose blocks inside its window are cached, as vLLM's sliding-window
+        manager finds it: the first token computed after k hit blocks sees the last
+        ceil((window - 1) / block_size) of them, so only those must be cached (or all k, if fewer);
+        the places before them hold null_block."""
+        assert self.sliding_window is not None
+        num_visible = max(cdiv(self.sliding_window - 1, self.block_size), 1)
+        run: list[KVCacheBlock] = []  # cached blocks ending where the scan (right to left) began it
+        for index in range(len(hashes) - 1, -1, -1):
+            block = self.block_pool.get_cached_block(hashes[index])
+            if block is None:
+                run = []
+                continue
+            run.insert(0, block)
+            if len(run) == num_visible:
+                return [self.null_block] * index + run, (index + num_visible) * self.block_size
+        return run, len(run) * self.block_size  # a run from the first block, shorter than a window
 
     # ---- allocation ----------------------------------------------------------------------------
 
@@ -148,8 +177,17 @@ class KVCacheManager:
         return (
             max(needed, 0)
             + int(self._needs_copy_on_write(seq))
-            + sum(1 for block in hits if block.ref_cnt == 0)
+            + sum(1 for block in self._held(hits) if block.ref_cnt == 0)
         )
+
+    def num_blocks_held_after(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks the sequence holds once `num_new_tokens` more are computed: all it has written,
+        or under a sliding window those from the one holding its first visible key on."""
+        num_tokens = seq.num_computed_tokens + num_new_tokens
+        num_dead = 0
+        if self.sliding_window is not None:
+            num_dead = max(seq.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        return cdiv(num_tokens, self.block_size) - num_dead
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
@@ -176,7 +214,7 @@ class KVCacheManager:
             copies.append((shared.block_id, private.block_id))
             self.block_pool.free_blocks([shared])
             blocks[table_start] = private
-        self.block_pool.touch(hits)
+        self.block_pool.touch(self._held(hits))
         blocks.extend(hits)
         num_computed = seq.num_computed_tokens + len(hits) * self.block_size
         num_new_blocks = max(cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks), 0)
@@ -193,7 +231,9 @@ class KVCacheManager:
         the last writer keeps the block itself.
         """
         needed = sum(self.num_blocks_needed(w.seq, w.num_new_tokens, w.prefix_hits) for w in wants)
-        unheld_hits = [block.block_id for w in wants for block in w.prefix_hits if block.ref_cnt == 0]
+        unheld_hits = [
+            block.block_id for w in wants for block in self._held(w.prefix_hits) if block.ref_cnt == 0
+        ]
         needed -= len(unheld_hits) - len(set(unheld_hits))
         writers: dict[int, int] = {}
         for want in wants:
@@ -210,7 +250,7 @@ class KVCacheManager:
             return None
         # Hold every prefix hit first: one sequence's new blocks come from the head of the free
         # queue, where the hits of another sequence of the request may sit.
-        pinned = [block for want in wants for block in want.prefix_hits]
+        pinned = [block for want in wants for block in self._held(want.prefix_hits)]
         self.block_pool.touch(pinned)
         allocations = [self._take_slots(w.seq, w.num_new_tokens, w.prefix_hits) for w in wants]
         self.block_pool.free_blocks(pinned)

@@ -32,7 +32,7 @@ from engine.outputs import (
     SchedulerStats,
 )
 from engine.sched.grammar import GrammarMatcher
-from engine.sched.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, cdiv
+from engine.sched.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, window_blocks
 from engine.sched.output_builder import OutputBuilder, SampledBySequence
 from engine.sched.request import Request, RequestStatus, SequenceStatus
 from engine.sched.sequence_groups import SequenceGroups
@@ -75,8 +75,15 @@ class Scheduler:
             num_cpu_blocks,
             sliding_window,
         )
-        # A sequence never holds more tokens than the whole cache: it stops there, cut by length.
+        # A sequence never holds more tokens than the whole cache: it stops there, cut by length;
+        # unless every layer slides and the cache holds a window and a step: then it holds no more.
         self.max_seq_len = min(max_model_len, num_kv_blocks * cache_config.block_size)
+        window = sliding_window
+        if (
+            window is not None
+            and window_blocks(window, self.max_num_batched_tokens, self.block_size) <= num_kv_blocks
+        ):
+            self.max_seq_len = max_model_len
         self.worker_sequences = WorkerSequences()
         self.groups = SequenceGroups(self.kv_cache_manager, self.worker_sequences, self.max_seq_len)
         self.output_builder = OutputBuilder(self.groups, self.max_seq_len)
@@ -260,7 +267,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         if len(wants) == 1:
             (want,) = wants
-            if cdiv(want.seq.num_computed_tokens + want.num_new_tokens, self.block_size) > kv.num_blocks:
+            if kv.num_blocks_held_after(want.seq, want.num_new_tokens) > kv.num_blocks:
                 # A lone sequence longer than the whole cache: preempting others would not help.
                 if may_preempt:
                     self._cap_request(request, "the sequence outgrew the whole KV cache", plan)

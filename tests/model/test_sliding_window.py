@@ -63,3 +63,16 @@ def test_tiny_mistral_slides_like_transformers(mistral, attention_backend, block
             assert output.outputs[0].token_ids == expected[tuple(prompt)]
     assert scheduler.prefix_cache_hits > hits_before
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_sequence_longer_than_the_whole_cache_slides_through_it(mistral):
+    """Six blocks of 8 (48 slots) hold a window and a chunk of 16, so a prompt of 60 tokens and 12
+    new ones run to the end, as transformers computes them."""
+    folder, hf = mistral
+    llm = LLM(
+        str(folder), dtype="float32", num_kv_blocks=6, block_size=8, max_num_batched_tokens=16, max_num_seqs=4
+    )
+    prompt = list(range(2000, 2060))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert output.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)

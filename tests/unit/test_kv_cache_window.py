@@ -141,3 +141,37 @@ def test_forks_swapping_and_recompute_keep_their_outputs(preemption_mode):
     )
     assert tokens == expected
     assert scheduler.num_preemptions > 0
+
+
+def test_sequences_longer_than_the_whole_cache_slide_through_it():
+    # Six blocks of 4 hold a window and a chunk of 8 (window_blocks: 5), so 30 prompt tokens and 20
+    # new ones (50 > 24 slots) run to the end. The conversation's next turn (its 50 tokens and 6
+    # more) hits the last cached blocks inside its window, with null blocks before them, though the
+    # head of the conversation was evicted long ago; both give a roomy cache's tokens.
+    def first_turn():
+        return [make_request("a", range(30), max_tokens=20, ignore_eos=True)]
+
+    expected, _, _ = generate(None, first_turn, num_blocks=64, max_num_batched_tokens=8)
+    scheduler, worker = scheduler_and_worker(num_blocks=6, max_num_batched_tokens=8, sliding_window=WINDOW)
+    assert scheduler.max_seq_len == scheduler.max_model_len
+    scheduler.add_request(first_turn()[0])
+    tokens, _ = run_until_done(scheduler, worker)
+    assert tokens == expected
+
+    def next_turn():
+        return [
+            make_request("b", [*range(30), *tokens["a"], 5, 6, 7, 8, 9, 10], max_tokens=8, ignore_eos=True)
+        ]
+
+    expected, _, _ = generate(None, next_turn, num_blocks=64, max_num_batched_tokens=8)
+    scheduler.add_request(next_turn()[0])
+    tokens = {}
+    _, outputs = step(scheduler, worker)
+    collect(outputs, tokens, {})
+    # The first turn wrote 49 tokens: 12 whole blocks, of which the last two are cached and visible.
+    assert scheduler.prefix_cache_hits == 48
+    table = held_blocks(scheduler)["b"]
+    assert table[:10] == [None] * 10 and None not in table[10:]
+    rest, _ = run_until_done(scheduler, worker)
+    assert tokens["b"] + rest["b"] == expected["b"]
+    assert_all_free(scheduler)
