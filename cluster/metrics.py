@@ -41,8 +41,14 @@ def token_buckets(max_value: int) -> list[float]:
         exponent += 1
 
 
-def _as_dict(stats: SchedulerStats | Mapping[str, Any]) -> Mapping[str, Any]:
-    return msgspec.structs.asdict(stats) if isinstance(stats, SchedulerStats) else stats
+def _as_dict(stats: msgspec.Struct | Mapping[str, Any]) -> Mapping[str, Any]:
+    return msgspec.structs.asdict(stats) if isinstance(stats, msgspec.Struct) else stats
+
+
+def _spec_decode_totals(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """The speculative decoding totals as flat keys `spec_decode_<name>` (none without it)."""
+    spec = stats.get("spec_decode")
+    return {} if spec is None else {f"spec_decode_{key}": value for key, value in _as_dict(spec).items()}
 
 
 class PrometheusStatLogger:
@@ -80,7 +86,23 @@ class PrometheusStatLogger:
             "grammar_cache_hits": labeled(
                 Counter, "grammar_cache_hits", "Requests whose grammar was compiled already (cached)"
             ),
+            "spec_decode_num_drafts": labeled(
+                Counter, "spec_decode_num_drafts", "Sequence steps that verified speculative drafts"
+            ),
+            "spec_decode_num_draft_tokens": labeled(
+                Counter, "spec_decode_num_draft_tokens", "Speculative draft tokens proposed and verified"
+            ),
+            "spec_decode_num_accepted_tokens": labeled(
+                Counter, "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted"
+            ),
         }
+        self.accepted_per_position = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens accepted at each position of the drafts",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
+        self._accepted_per_position: list[int] = []
         self._totals = dict.fromkeys(self.counters, 0)
         self.prompt_tokens = labeled(Counter, "prompt_tokens", "Prefill tokens processed")
         self.generation_tokens = labeled(Counter, "generation_tokens", "Tokens generated")
@@ -135,6 +157,7 @@ class PrometheusStatLogger:
     def update_scheduler_stats(self, stats: SchedulerStats | Mapping[str, Any]) -> None:
         """Set the gauges, and advance the counters by what the scheduler's totals grew."""
         values = _as_dict(stats)
+        values = {**values, **_spec_decode_totals(values)}
         self.num_requests_running.set(values.get("num_running_reqs", 0))
         self.num_requests_waiting.set(values.get("num_waiting_reqs", 0))
         self.kv_cache_usage.set(values.get("kv_cache_usage", 0.0))
@@ -145,6 +168,15 @@ class PrometheusStatLogger:
                 previous = self._totals[key]
                 counter.inc(total - previous if total >= previous else total)
                 self._totals[key] = total
+            self._count_accepted_per_position(values.get("spec_decode_num_accepted_tokens_per_pos", []))
+
+    def _count_accepted_per_position(self, totals: list[int]) -> None:
+        previous = self._accepted_per_position + [0] * (len(totals) - len(self._accepted_per_position))
+        for position, (total, before) in enumerate(zip(totals, previous, strict=False)):
+            self.accepted_per_position.labels(self._model_name, str(position)).inc(
+                total - before if total >= before else total
+            )
+        self._accepted_per_position = list(totals)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 
 from engine.models.arch_config import ArchConfig
+from engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 ExecutorBackend = Literal["uni", "mp", "ray"]
@@ -191,11 +192,28 @@ class ParallelConfig(_Section):
         return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
 
+class SpeculativeSection(_Section):
+    """Speculative decoding: proposals verified by the model in one forward pass."""
+
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description='vLLM\'s speculative_config, a mapping or JSON: {"method": "ngram", '
+        '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M, '
+        '"disable_by_batch_size": B}; None: no speculation',
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse(cls, value: Any) -> Any:
+        return parse_speculative_config(value)
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "speculative": SpeculativeSection,
 }
 
 
@@ -208,6 +226,7 @@ class EngineConfig(BaseModel):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
 
     @model_validator(mode="after")
     def _check_batch_limits(self) -> EngineConfig:

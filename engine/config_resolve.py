@@ -40,7 +40,11 @@ def resolve_engine_config(config: EngineConfig) -> ResolvedEngineConfig:
         }
     )
     return ResolvedEngineConfig(
-        model=model, cache=config.cache, scheduler=config.scheduler, parallel=config.parallel
+        model=model,
+        cache=config.cache,
+        scheduler=config.scheduler,
+        parallel=config.parallel,
+        speculative=config.speculative,
     )
 
 

@@ -119,6 +119,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     blocks_to_swap_in: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (device, device)
     grammar_bitmask: GrammarBitmask | None = None
+    # Speculative decoding: the drafts each sequence computes after its last token (its
+    # num_scheduled_tokens counts them), for the workers to verify.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def has_block_moves(self) -> bool:
@@ -134,6 +137,16 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[LogprobsLists | None] = msgspec.field(default_factory=list)
     # Per sequence computing prompt tokens with prompt_logprobs: the positions this step covered.
     prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+
+
+class SpecDecodeStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Running totals of speculative decoding (vLLM's spec_decode metrics): sequences that took
+    drafts in a step, the drafts, those accepted, and those accepted at each position 1..k."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -159,6 +172,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     grammar_compiles: int = 0
     grammar_compile_seconds: float = 0.0
     grammar_cache_hits: int = 0
+    spec_decode: SpecDecodeStats | None = None  # None without speculative decoding
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -101,6 +101,19 @@ class IncrementalDetokenizer:
             self._find_stop(max(first_new, self._check_from))
         return self._release()
 
+    def add_tokens_until_stop(self, token_ids: list[int]) -> int:
+        """`add_tokens`, one token at a time where stop strings are set, so that a stop string
+        completed by a token leaves the tokens after it unread (a step with speculative drafts
+        returns several); how many tokens were read."""
+        if not self._stop or len(token_ids) <= 1:
+            self.add_tokens(token_ids)
+            return len(token_ids)
+        for count, token in enumerate(token_ids, start=1):
+            self.add_tokens([token])
+            if self._finished:
+                return count
+        return len(token_ids)
+
     def finish(self) -> str:
         """The sequence ended (without a stop string): release the held-back text and return it."""
         self._finished = True

@@ -142,23 +142,28 @@ class RequestState:
             )
         if seq.finished:
             return None  # tokens the core made before it learned of a stop string
-        seq.token_ids += output.new_token_ids
+        new_tokens = output.new_token_ids
+        if seq.detokenizer is not None:
+            visible = new_tokens
+            if isinstance(output.stop_reason, int) and not self.params.include_stop_str_in_output:
+                visible = visible[:-1]  # vLLM shows no text for a stop token id
+            num_read = seq.detokenizer.add_tokens_until_stop(visible)
+            if seq.detokenizer.stop_reason is not None:
+                new_tokens = new_tokens[:num_read]  # none past the token that completed the stop string
+        seq.token_ids += new_tokens
         if output.cumulative_logprob is not None:
             seq.cumulative_logprob = output.cumulative_logprob
         if output.new_logprobs is not None and seq.logprobs is not None:
             seq.logprobs += self._logprob_dicts(
-                output.new_logprobs, self.params.logprobs, [*self.prompt_token_ids, *seq.token_ids]
+                output.new_logprobs.slice(0, len(new_tokens)),
+                self.params.logprobs,
+                [*self.prompt_token_ids, *seq.token_ids],
             )
         if seq.detokenizer is None:
             seq.text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
-        else:
-            visible = output.new_token_ids
-            if isinstance(output.stop_reason, int) and not self.params.include_stop_str_in_output:
-                visible = visible[:-1]  # vLLM shows no text for a stop token id
-            seq.detokenizer.add_tokens(visible)
-            if seq.detokenizer.stop_reason is not None:
-                seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
-                return None if output.finished else StopEvent(self.request_id, output.index, seq.stop_reason)
+        elif seq.detokenizer.stop_reason is not None:
+            seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stop_reason
+            return None if output.finished else StopEvent(self.request_id, output.index, seq.stop_reason)
         if output.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = str(output.finish_reason), output.stop_reason
             if seq.detokenizer is not None:

@@ -56,6 +56,7 @@ class EngineCore:
             max_model_len,
             num_cpu_blocks,
             freeing_window(config.model.hf_config.layer_windows),
+            config.speculative.speculative_config,
         )
         # Steps sent to the workers and not yet turned into outputs, oldest first.
         self.batch_queue: collections.deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = (

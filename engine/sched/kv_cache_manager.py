@@ -55,6 +55,8 @@ class SequenceWant:
     num_new_tokens: int
     prefix_hits: list[KVCacheBlock]
     num_hit_tokens: int
+    # Speculative drafts computed after the sequence's last token (counted in num_new_tokens).
+    drafts: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -271,6 +273,15 @@ class KVCacheManager:
             freed.append(blocks[index])
             blocks[index] = self.null_block
         self.block_pool.free_blocks(freed)  # tail first, as `free` does
+
+    def free_blocks_after(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` tokens (speculative drafts that were
+        rejected); never published, they hold nothing another sequence could use."""
+        blocks = self.seq_block_tables.get(seq.seq_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks and len(blocks) > keep:
+            self.block_pool.free_blocks(reversed(self._held(blocks[keep:])))
+            del blocks[keep:]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent` (by reference count)."""

@@ -13,6 +13,7 @@ from engine.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason, Lo
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.sched.beam_search import Hypothesis
 from engine.sched.grammar import GrammarMatcher, PendingGrammar
+from engine.sched.spec_backoff import SpecBackoff
 
 
 class RequestStatus(enum.IntEnum):
@@ -90,6 +91,10 @@ class Sequence:
         self.cumulative_logprob = 0.0
         # The sequence's place in its request's grammar (structured outputs); set once it is compiled.
         self.grammar: GrammarMatcher | None = None
+        # Speculative drafts for the token after the next one on, and how often to propose them
+        # (engine/sched/speculation.py).
+        self.spec_token_ids: list[int] = []
+        self.spec_backoff = SpecBackoff()
 
     @property
     def request_id(self) -> str:

@@ -36,7 +36,9 @@ from engine.sched.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllo
 from engine.sched.output_builder import OutputBuilder, SampledBySequence
 from engine.sched.request import Request, RequestStatus, SequenceStatus
 from engine.sched.sequence_groups import SequenceGroups
+from engine.sched.speculation import Speculator
 from engine.sched.step_plan import StepPlan, WorkerSequences
+from engine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class Scheduler:
         max_model_len: int,
         num_cpu_blocks: int = 0,
         sliding_window: int | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -87,6 +90,12 @@ class Scheduler:
         self.worker_sequences = WorkerSequences()
         self.groups = SequenceGroups(self.kv_cache_manager, self.worker_sequences, self.max_seq_len)
         self.output_builder = OutputBuilder(self.groups, self.max_seq_len)
+        self.speculator = (
+            Speculator(speculative_config, self.kv_cache_manager, self.max_seq_len)
+            if speculative_config is not None
+            else None
+        )
+        self._drafting = False  # whether the step being scheduled takes drafts
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.swapped: list[Request] = []  # sorted by Request.sort_key
@@ -145,6 +154,7 @@ class Scheduler:
         run out), then swapped requests, then waiting ones, all within one token budget."""
         plan = StepPlan(self.max_num_batched_tokens)
         num_preemptions_before = self.num_preemptions
+        self._drafting = self.speculator is not None and self.speculator.allows(self._rows_in_use())
         self.running.sort(key=lambda r: r.sort_key)
         index = 0
         while index < len(self.running) and plan.budget > 0:
@@ -168,6 +178,10 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append sampled tokens (or pick beams), stop finished sequences, free their blocks at once."""
         sampled = SampledBySequence.of(runner_output)
+        for seq_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            seq = self.groups.seqs.get(seq_id)
+            if seq is not None and seq.status == SequenceStatus.RUNNING and self.speculator is not None:
+                self.speculator.settle(seq, len(drafts), len(sampled.token_ids.get(seq_id, ())))
         requests: dict[str, Request] = {}
         for seq_id in scheduler_output.num_scheduled_tokens:
             seq = self.groups.seqs.get(seq_id)
@@ -178,6 +192,9 @@ class Scheduler:
             outputs += self.output_builder.request_outputs(request, sampled)
             if not request.live_seqs:
                 self._finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if self.speculator is not None:
+            running = [r for r in requests.values() if r.status == RequestStatus.RUNNING]
+            self.speculator.propose(running, self._rows_in_use())
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
 
     def grammar_rows(self, scheduler_output: SchedulerOutput) -> list[tuple[str, GrammarMatcher]]:
@@ -193,7 +210,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         running_seqs = [seq for request in self.running for seq in request.live_seqs]
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.swapped),
             kv_cache_usage=kv.usage(),
@@ -205,6 +222,7 @@ class Scheduler:
             kv_slots_allocated=(kv.num_blocks - kv.num_free_blocks) * self.block_size,
             kv_logical_blocks=kv.num_logical_blocks(running_seqs),
         )
+        return stats if self.speculator is None else self.speculator.add_stats(stats)
 
     # ---- scheduling one request ----------------------------------------------------------------
 
@@ -233,6 +251,8 @@ class Scheduler:
                 if seq.index == 0 and request.num_cached_tokens < 0:
                     request.num_cached_tokens = want.num_hit_tokens
             self.worker_sequences.record(seq, want.num_new_tokens, allocation, self.kv_cache_manager, plan)
+            if want.drafts:
+                plan.drafts[seq.seq_id] = want.drafts
         taken = sum(want.num_new_tokens for want in wants)
         plan.budget -= taken
         return taken
@@ -251,8 +271,18 @@ class Scheduler:
                     # the cached prefix to compute, or it would never be scheduled (nor forked).
                     hits, num_hit_tokens = hits[:-1], num_hit_tokens - self.block_size
             num_new = min(request.target_num_tokens(seq) - seq.num_computed_tokens - num_hit_tokens, budget)
+            drafts = []
+            if (
+                self._drafting
+                and num_new == 1
+                and seq.spec_token_ids
+                and seq.num_computed_tokens == seq.num_tokens - 1
+            ):
+                # A decode: its drafts ride along, as many as the budget has room for.
+                drafts = seq.spec_token_ids[: budget - 1]
+                num_new += len(drafts)
             if num_new > 0:  # else its step is in flight, or the budget is spent
-                wants.append(SequenceWant(seq, num_new, hits, num_hit_tokens))
+                wants.append(SequenceWant(seq, num_new, hits, num_hit_tokens, drafts))
                 budget -= num_new
         return wants
 

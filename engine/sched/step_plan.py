@@ -28,6 +28,8 @@ class StepPlan:
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Outputs of requests this step finished without running them (ignored, or never fitting).
     finished_outputs: list[EngineCoreOutput] = dataclasses.field(default_factory=list)
+    # Speculative drafts by sequence (SchedulerOutput.scheduled_spec_decode_tokens).
+    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def to_scheduler_output(self, finished_seq_ids: list[str]) -> SchedulerOutput:
         return SchedulerOutput(
@@ -39,6 +41,7 @@ class StepPlan:
             blocks_to_swap_out=self.swap_out,
             blocks_to_swap_in=self.swap_in,
             blocks_to_copy=self.copies,
+            scheduled_spec_decode_tokens=self.drafts,
         )
 
 

@@ -54,16 +54,19 @@ class WorkerSequenceState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
-    def seeded_generator(self) -> torch.Generator | None:
-        """The generator for drawing this sequence's next token, seeded from (seed, position).
+    def seeded_generator(self, offset: int = 0) -> torch.Generator | None:
+        """The generator for drawing this sequence's next token (or the one `offset` tokens after
+        it, behind speculative drafts: a generator of its own), seeded from (seed, position).
 
         Reseeding at every position, instead of letting one stream run on, makes the draw a pure
-        function of the seed and the position: a sequence preempted and recomputed, swapped, or
-        batched differently still samples exactly the same tokens.
+        function of the seed and the position: a sequence preempted and recomputed, swapped,
+        batched differently or speculating still samples exactly the same tokens.
         """
-        if self.generator is not None:
-            self.generator.manual_seed(position_seed(self.seed, len(self.token_ids) - self.num_prompt_tokens))
-        return self.generator
+        if self.generator is None:
+            return None
+        generator = self.generator if offset == 0 else torch.Generator(device=self.generator.device)
+        generator.manual_seed(position_seed(self.seed, len(self.token_ids) - self.num_prompt_tokens + offset))
+        return generator
 
 
 class InputBatch:

@@ -34,6 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched.kv_cache_manager import cdiv
 from engine.worker.cache_engine import CacheEngine
 from engine.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
+from engine.worker.draft_rows import AcceptedTokens, SampleRow, accept_drafts, sample_rows
 from engine.worker.input_batch import InputBatch, WorkerSequenceState
 from kernels.attention import AttentionMetadata, get_attention_backend
 from parallel.pipeline import IntermediateTensors, receive_from_previous_stage, send_to_next_stage
@@ -61,6 +62,7 @@ class ModelRunner:
             config.model.attention_backend, device, self.block_size
         )
         self.kv_caches: dict[int, torch.Tensor] = {}
+        self._drafts: dict[str, list[int]] = {}  # this step's speculative drafts, by sequence
         self.model: torch.nn.Module | None = None
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs, on CUDA only
         # (start, end) perf_counter times of recent forward passes: shows pipeline stages overlapping.
@@ -96,26 +98,29 @@ class ModelRunner:
             return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
         states = [self.input_batch.seqs[order[i]] for i in logits_rows]
         query_ends = [meta.query_start_loc[i + 1] - 1 for i in logits_rows]
+        rows = sample_rows(states, query_ends, scheduler_output.scheduled_spec_decode_tokens)
         prompt_rows = self._prompt_logprob_rows(order, meta)
         # One LM-head pass for the sampling rows and any prompt positions asking for log-probabilities.
-        logit_indices = query_ends + [index for _, indices, _ in prompt_rows for index in indices]
+        logit_indices = [row.hidden_index for row in rows]
+        logit_indices += [index for _, indices, _ in prompt_rows for index in indices]
         output = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
         if logit_indices:  # else every sequence is mid-prefill, with no prompt logprobs wanted
             logits = self.model.compute_logits(
                 hidden[torch.tensor(logit_indices, dtype=torch.long, device=self.device)]
             )
-            output.prompt_logprobs = self._prompt_logprobs(prompt_rows, logits[len(states) :])
-        if states:
+            output.prompt_logprobs = self._prompt_logprobs(prompt_rows, logits[len(rows) :])
+        if rows:
             # The masks come with the step, or (computed beside the forward pass) arrive now.
             masks = (
                 grammar_bitmask.result() if grammar_bitmask is not None else scheduler_output.grammar_bitmask
             )
             if masks is not None:
-                apply_grammar_bitmask(logits[: len(states)], [state.seq_id for state in states], masks)
-            sampled = self.sampler(logits[: len(states)], self._sampling_metadata(states))
-            output.seq_ids = [state.seq_id for state in states]
-            output.sampled_token_ids = [[token] for token in sampled.sampled_token_ids.tolist()]
-            output.logprobs = self._sampled_logprobs(states, sampled.logprobs)
+                apply_grammar_bitmask(logits[: len(rows)], [row.state.seq_id for row in rows], masks)
+            sampled = self.sampler(logits[: len(rows)], self._sampling_metadata(rows))
+            accepted = accept_drafts(rows, sampled.sampled_token_ids.tolist())
+            output.seq_ids = [seq.seq_id for seq in accepted]
+            output.sampled_token_ids = [seq.tokens for seq in accepted]
+            output.logprobs = self._sampled_logprobs(states, accepted, sampled.logprobs)
         self._advance(order, num_scheduled)
         return output
 
@@ -145,6 +150,7 @@ class ModelRunner:
             self.input_batch.seqs[seq_id].num_computed_tokens += num_scheduled[seq_id]
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        self._drafts = scheduler_output.scheduled_spec_decode_tokens
         batch = self.input_batch
         for seq_id in scheduler_output.finished_seq_ids:
             batch.remove(seq_id)
@@ -190,17 +196,24 @@ class ModelRunner:
         slot_mapping = block_table[req_of_token, positions // self.block_size] * self.block_size + (
             positions % self.block_size
         )
+        drafts = [self._drafts.get(seq_id, ()) for seq_id in order]
         input_ids = np.fromiter(
             (
                 token
-                for state, start, n in zip(states, starts, query_lens, strict=True)
-                for token in state.token_ids[start : start + n]
+                for state, seq_drafts, start, n in zip(states, drafts, starts, query_lens, strict=True)
+                for token in (
+                    state.token_ids[start : start + n]
+                    if not seq_drafts
+                    else [*state.token_ids, *seq_drafts][start : start + n]
+                )
             ),
             dtype=np.int64,
             count=int(query_start_loc[-1]),
         )
-        # A request samples when this step reaches its last known token (not mid-prefill).
-        logits_rows = [i for i, state in enumerate(states) if seq_lens[i] == len(state.token_ids)]
+        # A request samples when this step reaches its last known token and drafts (not mid-prefill).
+        logits_rows = [
+            i for i, state in enumerate(states) if seq_lens[i] == len(state.token_ids) + len(drafts[i])
+        ]
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             block_table=self._to_device(block_table),
@@ -212,39 +225,45 @@ class ModelRunner:
         )
         return self._to_device(input_ids), self._to_device(positions), meta, logits_rows
 
-    def _sampling_metadata(self, states: list[WorkerSequenceState]) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: list[SampleRow]) -> SamplingMetadata:
         meta = build_sampling_metadata(
-            [state.sampling_params for state in states],
-            [state.prompt_token_ids for state in states],
-            [state.output_token_ids for state in states],
-            [state.seeded_generator() for state in states],
-            [state.eos_token_id for state in states],
+            [row.state.sampling_params for row in rows],
+            [row.state.prompt_token_ids for row in rows],
+            [row.output_token_ids for row in rows],
+            [row.state.seeded_generator(row.offset) for row in rows],
+            [row.state.eos_token_id for row in rows],
             self.arch.vocab_size,
             self.device,
         )
         # The scheduler decides how many log-probabilities each sequence returns (beam search and
         # best_of need some the user did not ask for).
-        wanted = [state.num_logprobs for state in states if state.num_logprobs is not None]
+        wanted = [row.state.num_logprobs for row in rows if row.state.num_logprobs is not None]
         meta.max_num_logprobs = max(wanted) if wanted else None
         return meta
 
     @staticmethod
     def _sampled_logprobs(
-        states: list[WorkerSequenceState], logprobs: LogprobsTensors | None
+        states: list[WorkerSequenceState], accepted: list[AcceptedTokens], logprobs: LogprobsTensors | None
     ) -> list[LogprobsLists | None]:
+        """Each sequence's log-probabilities at the rows its tokens were sampled from."""
         if logprobs is None:
             return []
         token_ids, values, ranks = logprobs.tolists()
-        return [
-            None
-            if state.num_logprobs is None
-            else LogprobsLists(
-                [token_ids[row][: state.num_logprobs + 1]],
-                [values[row][: state.num_logprobs + 1]],
-                [ranks[row]],
+        results: list[LogprobsLists | None] = []
+        for state, seq in zip(states, accepted, strict=True):
+            if state.num_logprobs is None:
+                results.append(None)
+                continue
+            span = range(seq.first_row, seq.first_row + len(seq.tokens))
+            width = state.num_logprobs + 1
+            results.append(
+                LogprobsLists(
+                    [token_ids[row][:width] for row in span],
+                    [values[row][:width] for row in span],
+                    [ranks[row] for row in span],
+                )
             )
-            for row, state in enumerate(states)
-        ]
+        return results
 
     def _prompt_logprob_rows(
         self, order: list[str], meta: AttentionMetadata

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger, token_buckets
 from engine.frontend.stats import FinishedRequestStats, IterationStats
-from engine.outputs import SchedulerStats
+from engine.outputs import SchedulerStats, SpecDecodeStats
 
 
 def samples(logger: PrometheusStatLogger) -> dict[tuple[str, tuple], float]:
@@ -62,6 +62,33 @@ def test_scheduler_totals_restarting_from_zero_still_count() -> None:
     logger.update_scheduler_stats({"prefix_cache_queries": 50})
     logger.update_scheduler_stats({"prefix_cache_queries": 20})  # a new core counts from 0 again
     assert samples(logger)[("raypage:prefix_cache_queries_total", ())] == 70
+
+
+def test_speculative_decoding_totals_feed_vllms_counters() -> None:
+    logger = PrometheusStatLogger("m", max_model_len=100)
+    for drafts, accepted, per_pos in ((3, 5, [3, 2]), (4, 9, [4, 3, 2])):
+        stats = SpecDecodeStats(drafts, 2 * drafts, accepted, per_pos)
+        logger.update_scheduler_stats(SchedulerStats(spec_decode=stats))
+    # As a Ray Serve replica reports them: plain mappings.
+    logger.update_scheduler_stats(
+        {
+            "spec_decode": {
+                "num_drafts": 5,
+                "num_draft_tokens": 10,
+                "num_accepted_tokens": 9,
+                "num_accepted_tokens_per_pos": [4, 3, 2],
+            }
+        }
+    )
+    got = samples(logger)
+    assert got[("raypage:spec_decode_num_drafts_total", ())] == 5
+    assert got[("raypage:spec_decode_num_draft_tokens_total", ())] == 10
+    assert got[("raypage:spec_decode_num_accepted_tokens_total", ())] == 9
+    per_position = [
+        got[("raypage:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),))]
+        for p in range(3)
+    ]
+    assert per_position == [4, 3, 2]
 
 
 def test_registries_are_private() -> None:

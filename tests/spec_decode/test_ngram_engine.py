@@ -1,0 +1,107 @@
+"""Speculative decoding with n-gram proposals on SmolLM2, against the same engine without it.
+
+Greedy outputs must be token-identical, in float32 and bfloat16, with chunked prefill, prefix
+caching and preemption forced by a small cache; seeded sampling with every sampling parameter too
+(each position draws from its own (seed, position) generator, and the drafts accepted are the
+tokens sampled), with the same log-probabilities; stop strings and max_tokens cut the output at the
+same token. Every block returns to the pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PASSAGE = (
+    "The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree, "
+    "and the fox runs back into the forest before the farmer wakes up."
+)
+CODE = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+PROMPTS = [
+    f"Repeat this sentence exactly.\n{PASSAGE}\nRepeated:\n{PASSAGE[:20]}",
+    f"Copy the code.\n{CODE}\nCopy:\n{CODE[:30]}",
+    f"Repeat this sentence exactly.\n{PASSAGE}\nAgain:\n",  # shares the first prompt's prefix
+    "List the numbers: one two three four one two three four one two",
+]
+# Chunked prefill (32 tokens a step) over 12 blocks of 16: four sequences of ~50 prompt and 64
+# output tokens do not fit together, so some are preempted and recomputed.
+TIGHT = {"num_kv_blocks": 12, "block_size": 16, "max_num_batched_tokens": 32, "max_num_seqs": 4}
+
+
+def generate(llm: LLM, params: SamplingParams | list[SamplingParams]):
+    return [output.outputs[0] for output in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engines(request):
+    """(without speculation, with it) on the same tight cache, in one dtype. (In bfloat16 the
+    tight cache's chunks and recomputes round differently from a roomy cache's single prefill, so
+    the two engines must share the settings for their outputs to be comparable.)"""
+    plain = LLM(dtype=request.param, **TIGHT)
+    speculating = LLM(dtype=request.param, speculative_config=SPEC, **TIGHT)
+    yield plain, speculating
+    plain.llm_engine.shutdown()
+    speculating.llm_engine.shutdown()
+
+
+def scheduler_of(llm: LLM):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def test_greedy_outputs_are_those_without_speculation(engines):
+    plain, speculating = engines
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    expected = [output.token_ids for output in generate(plain, params)]
+    before = scheduler_of(speculating).num_preemptions
+    assert [output.token_ids for output in generate(speculating, params)] == expected
+    stats = speculating.get_stats()["spec_decode"]
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0
+    assert scheduler_of(speculating).num_preemptions > before
+    assert scheduler_of(speculating).prefix_cache_hits > 0
+    kv = scheduler_of(speculating).kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_seeded_sampling_and_logprobs_are_those_without_speculation(engines):
+    plain, speculating = engines
+    params = [
+        SamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=40,
+            min_p=0.02,
+            seed=seed,
+            repetition_penalty=1.1,
+            presence_penalty=0.2,
+            frequency_penalty=0.1,
+            min_tokens=8,
+            logit_bias={13: -2.0},
+            max_tokens=40,
+            logprobs=2,
+        )
+        for seed in range(len(PROMPTS))
+    ]
+    expected = generate(plain, params)
+    got = generate(speculating, params)
+    for want, have in zip(expected, got, strict=True):
+        assert have.token_ids == want.token_ids
+        for want_step, have_step in zip(want.logprobs, have.logprobs, strict=True):
+            assert want_step.keys() == have_step.keys()
+            for token, logprob in want_step.items():
+                assert have_step[token].logprob == pytest.approx(logprob.logprob, abs=0.05)
+
+
+def test_stop_strings_and_max_tokens_cut_at_the_same_token(engines):
+    plain, speculating = engines
+    params = SamplingParams(temperature=0.0, max_tokens=48, stop=["fox", "width"], ignore_eos=True)
+    expected = generate(plain, params)
+    for want, have in zip(expected, generate(speculating, params), strict=True):
+        assert (have.text, have.token_ids, have.finish_reason) == (
+            want.text,
+            want.token_ids,
+            want.finish_reason,
+        )
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    assert all(len(output.token_ids) == 7 for output in generate(speculating, params))
