@@ -288,12 +288,24 @@ class ResolvedModelConfig(ModelConfig):
     hf_config: ArchConfig
 
 
+class ResolvedSpeculativeConfig(SpeculativeConfig):
+    """A `SpeculativeConfig` with a draft model's path made concrete and its architecture attached."""
+
+    model_format: Literal["hf", "gguf"] | None = None
+    hf_config: ArchConfig | None = None
+
+
+class ResolvedSpeculativeSection(SpeculativeSection):
+    speculative_config: ResolvedSpeculativeConfig | None = None
+
+
 class ResolvedEngineConfig(EngineConfig):
     """An `EngineConfig` after `engine.config_resolve.resolve_engine_config`, and the only kind the
     engine core, the executors and the workers accept. Frozen; it crosses process boundaries as
     `model_dump_json()` / `model_validate_json()` (the core process) or by pickle (the workers)."""
 
     model: ResolvedModelConfig
+    speculative: ResolvedSpeculativeSection = Field(default_factory=ResolvedSpeculativeSection)
 
 
 def load_yaml_mapping(path: str | Path) -> dict[str, Any]:

@@ -12,9 +12,16 @@ import os
 
 import torch
 
-from engine.config import EngineConfig, ResolvedEngineConfig, ResolvedModelConfig
+from engine.config import (
+    EngineConfig,
+    ResolvedEngineConfig,
+    ResolvedModelConfig,
+    ResolvedSpeculativeConfig,
+    ResolvedSpeculativeSection,
+)
 from engine.models.arch_config import ArchConfig
 from engine.models.model_files import read_arch_config, resolve_model_source, valid_tensor_parallel_sizes
+from engine.spec_decode.config import SpeculativeConfig
 from parallel.pipeline import partition_layers
 
 
@@ -39,12 +46,40 @@ def resolve_engine_config(config: EngineConfig) -> ResolvedEngineConfig:
             "hf_config": arch,
         }
     )
+    speculative = resolve_speculative_config(config.speculative.speculative_config, arch, max_model_len)
     return ResolvedEngineConfig(
         model=model,
         cache=config.cache,
         scheduler=config.scheduler,
         parallel=config.parallel,
-        speculative=config.speculative,
+        speculative=ResolvedSpeculativeSection(speculative_config=speculative),
+    )
+
+
+def resolve_speculative_config(
+    speculative: SpeculativeConfig | None, target: ArchConfig, max_model_len: int
+) -> ResolvedSpeculativeConfig | None:
+    """A draft model's files read and checked against the target's: the same vocabulary (the
+    drafts are the target's token ids) and room for max_model_len positions."""
+    if speculative is None:
+        return None
+    settings = speculative.model_dump()
+    if speculative.method != "draft_model":
+        return ResolvedSpeculativeConfig(**settings)
+    source = resolve_model_source(speculative.model)
+    draft = read_arch_config(source)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config model {source.path}: its vocabulary has {draft.vocab_size} tokens, "
+            f"the target's {target.vocab_size}; a draft model must share the target's tokenizer"
+        )
+    if draft.max_context < max_model_len:
+        raise ValueError(
+            f"speculative_config model {source.path}: it holds {draft.max_context} positions, fewer than "
+            f"max_model_len ({max_model_len}); lower max_model_len"
+        )
+    return ResolvedSpeculativeConfig(
+        **{**settings, "model": str(source.path)}, model_format=source.format, hf_config=draft
     )
 
 

@@ -122,6 +122,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Speculative decoding: the drafts each sequence computes after its last token (its
     # num_scheduled_tokens counts them), for the workers to verify.
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # Sequences a draft model proposes for after this step (the scheduler allocated their lookahead slots).
+    draft_seq_ids: list[str] = msgspec.field(default_factory=list)
 
     @property
     def has_block_moves(self) -> bool:
@@ -137,6 +139,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[LogprobsLists | None] = msgspec.field(default_factory=list)
     # Per sequence computing prompt tokens with prompt_logprobs: the positions this step covered.
     prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    # A draft model's proposals for the next step, by sequence (SchedulerOutput.draft_seq_ids).
+    spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class SpecDecodeStats(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -8,7 +8,9 @@ then no torch.distributed group exists at all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -103,6 +105,18 @@ def init_model_parallel(
         rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group, pp_group, enable_expert_parallel
     )
     return _state
+
+
+@contextlib.contextmanager
+def single_rank() -> Iterator[ParallelState]:
+    """Build or run a model as one whole rank inside a worker of a larger group (a speculative
+    draft model beside a tensor-parallel target): no shards, no collectives."""
+    global _state
+    saved, _state = _state, ParallelState()
+    try:
+        yield _state
+    finally:
+        _state = saved
 
 
 def destroy_model_parallel() -> None:

@@ -57,6 +57,14 @@ class SequenceWant:
     num_hit_tokens: int
     # Speculative drafts computed after the sequence's last token (counted in num_new_tokens).
     drafts: list[int] = dataclasses.field(default_factory=list)
+    # Slots past the new tokens for a draft model's proposals, written after the step and freed
+    # again when it ends.
+    num_lookahead_tokens: int = 0
+
+    @property
+    def num_slots(self) -> int:
+        """Slots the step needs for the sequence: its new tokens and the lookahead."""
+        return self.num_new_tokens + self.num_lookahead_tokens
 
 
 @dataclasses.dataclass
@@ -232,7 +240,7 @@ class KVCacheManager:
         per sequence, and a shared block that all its holders write counts a copy for each, though
         the last writer keeps the block itself.
         """
-        needed = sum(self.num_blocks_needed(w.seq, w.num_new_tokens, w.prefix_hits) for w in wants)
+        needed = sum(self.num_blocks_needed(w.seq, w.num_slots, w.prefix_hits) for w in wants)
         unheld_hits = [
             block.block_id for w in wants for block in self._held(w.prefix_hits) if block.ref_cnt == 0
         ]
@@ -254,7 +262,7 @@ class KVCacheManager:
         # queue, where the hits of another sequence of the request may sit.
         pinned = [block for want in wants for block in self._held(want.prefix_hits)]
         self.block_pool.touch(pinned)
-        allocations = [self._take_slots(w.seq, w.num_new_tokens, w.prefix_hits) for w in wants]
+        allocations = [self._take_slots(w.seq, w.num_slots, w.prefix_hits) for w in wants]
         self.block_pool.free_blocks(pinned)
         return allocations
 

@@ -178,10 +178,12 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append sampled tokens (or pick beams), stop finished sequences, free their blocks at once."""
         sampled = SampledBySequence.of(runner_output)
-        for seq_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        for seq_id in drafts.keys() | set(scheduler_output.draft_seq_ids):
             seq = self.groups.seqs.get(seq_id)
             if seq is not None and seq.status == SequenceStatus.RUNNING and self.speculator is not None:
-                self.speculator.settle(seq, len(drafts), len(sampled.token_ids.get(seq_id, ())))
+                num_drafts = len(drafts.get(seq_id, ()))
+                self.speculator.settle(seq, num_drafts, len(sampled.token_ids.get(seq_id, ())))
         requests: dict[str, Request] = {}
         for seq_id in scheduler_output.num_scheduled_tokens:
             seq = self.groups.seqs.get(seq_id)
@@ -194,7 +196,7 @@ class Scheduler:
                 self._finish_request(request, RequestStatus.FINISHED_STOPPED)
         if self.speculator is not None:
             running = [r for r in requests.values() if r.status == RequestStatus.RUNNING]
-            self.speculator.propose(running, self._rows_in_use())
+            self.speculator.propose(running, self._rows_in_use(), runner_output.spec_token_ids)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
 
     def grammar_rows(self, scheduler_output: SchedulerOutput) -> list[tuple[str, GrammarMatcher]]:
@@ -253,6 +255,8 @@ class Scheduler:
             self.worker_sequences.record(seq, want.num_new_tokens, allocation, self.kv_cache_manager, plan)
             if want.drafts:
                 plan.drafts[seq.seq_id] = want.drafts
+            if want.num_lookahead_tokens:
+                plan.draft_seq_ids.append(seq.seq_id)
         taken = sum(want.num_new_tokens for want in wants)
         plan.budget -= taken
         return taken
@@ -281,8 +285,11 @@ class Scheduler:
                 # A decode: its drafts ride along, as many as the budget has room for.
                 drafts = seq.spec_token_ids[: budget - 1]
                 num_new += len(drafts)
+            # A sequence that samples this step gets lookahead slots for a draft model's proposals.
+            samples = seq.num_computed_tokens + num_hit_tokens + num_new - len(drafts) == seq.num_tokens
+            lookahead = self.speculator.lookahead_for(request) if self._drafting and samples else 0
             if num_new > 0:  # else its step is in flight, or the budget is spent
-                wants.append(SequenceWant(seq, num_new, hits, num_hit_tokens, drafts))
+                wants.append(SequenceWant(seq, num_new, hits, num_hit_tokens, drafts, lookahead))
                 budget -= num_new
         return wants
 

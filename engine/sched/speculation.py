@@ -28,7 +28,10 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, kv_cache_manager: KVCacheManager, max_seq_len: int) -> None:
         self.config = config
-        self.proposer = NgramProposer(config)
+        # n-gram drafts are found here; a draft model's come back with the step's output, and
+        # need `lookahead` slots past each proposing sequence's tokens.
+        self.proposer = NgramProposer(config) if config.method == "ngram" else None
+        self.lookahead = config.num_speculative_tokens if self.proposer is None else 0
         self.kv_cache_manager = kv_cache_manager
         self.max_seq_len = max_seq_len
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
@@ -43,9 +46,15 @@ class Speculator:
             and request.grammar is None
         )
 
-    def propose(self, requests: list[Request], num_running_seqs: int) -> None:
+    def lookahead_for(self, request: Request) -> int:
+        """Slots past a sampling sequence's tokens for the draft model's proposals (none for n-grams)."""
+        return self.lookahead if self.speculates(request) else 0
+
+    def propose(
+        self, requests: list[Request], num_running_seqs: int, draft_model_proposals: dict[str, list[int]]
+    ) -> None:
         """Fresh drafts for every live sequence of the running requests that speculate (none at
-        all where the next step would not take them)."""
+        all where the next step would not take them): n-gram lookups, or the draft model's."""
         drafting = self.allows(num_running_seqs)
         for request in requests:
             if not self.speculates(request):
@@ -59,7 +68,10 @@ class Speculator:
                 room = self.max_seq_len - seq.num_tokens - 1
                 if max_tokens is not None:
                     room = min(room, max_tokens - seq.num_output_tokens - 1)
-                seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, room)
+                if self.proposer is None:
+                    seq.spec_token_ids = draft_model_proposals.get(seq.seq_id, [])[: max(room, 0)]
+                else:
+                    seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, room)
 
     def allows(self, num_running_seqs: int) -> bool:
         """Whether this step speculates at all (`disable_by_batch_size`)."""
@@ -71,7 +83,10 @@ class Speculator:
         accepted drafts and one more): step back over the rejected ones and free their blocks."""
         num_accepted = max(num_sampled - 1, 0)
         seq.num_computed_tokens -= num_drafts - num_accepted
+        # (With a draft model, also the lookahead slots its proposals were written to.)
         self.kv_cache_manager.free_blocks_after(seq, seq.num_computed_tokens)
+        if not num_drafts:
+            return
         seq.spec_backoff.record(num_accepted)
         stats = self.stats
         stats.num_drafts += 1

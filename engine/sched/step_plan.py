@@ -28,8 +28,10 @@ class StepPlan:
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Outputs of requests this step finished without running them (ignored, or never fitting).
     finished_outputs: list[EngineCoreOutput] = dataclasses.field(default_factory=list)
-    # Speculative drafts by sequence (SchedulerOutput.scheduled_spec_decode_tokens).
+    # Speculative drafts by sequence (SchedulerOutput.scheduled_spec_decode_tokens), and the
+    # sequences a draft model proposes for after the step.
     drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    draft_seq_ids: list[str] = dataclasses.field(default_factory=list)
 
     def to_scheduler_output(self, finished_seq_ids: list[str]) -> SchedulerOutput:
         return SchedulerOutput(
@@ -42,6 +44,7 @@ class StepPlan:
             blocks_to_swap_in=self.swap_in,
             blocks_to_copy=self.copies,
             scheduled_spec_decode_tokens=self.drafts,
+            draft_seq_ids=self.draft_seq_ids,
         )
 
 

@@ -1,8 +1,10 @@
 """`speculative_config`: vLLM's settings of speculative decoding, checked at start-up.
 
-The n-gram proposer (prompt lookup) is the one method so far; the names and defaults are vLLM's:
-`{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2}`.
-Given as a JSON string (`--speculative-config '{...}'`) or a mapping (`LLM(speculative_config={...})`).
+Two methods, with vLLM's names and defaults: n-gram prompt lookup,
+`{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2}`,
+and a smaller draft model with the target's tokenizer, `{"model": PATH, "num_speculative_tokens": 3}`
+(method "draft_model", implied by `model`). Given as a JSON string (`--speculative-config '{...}'`)
+or a mapping (`LLM(speculative_config={...})`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # vLLM's default n-gram size when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
-SUPPORTED_METHODS = ("ngram",)
+SUPPORTED_METHODS = ("ngram", "draft_model")
 
 
 class SpeculativeConfig(BaseModel):
@@ -22,7 +24,12 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram"] = Field(description="How drafts are proposed: ngram (prompt lookup)")
+    method: Literal["ngram", "draft_model"] = Field(
+        description="How drafts are proposed: ngram (prompt lookup) or draft_model (a smaller model)"
+    )
+    model: str | None = Field(
+        None, description="draft_model: the draft's Hugging Face folder or GGUF file (the target's tokenizer)"
+    )
     num_speculative_tokens: int = Field(ge=1, le=32, description="Tokens proposed per step and sequence")
     prompt_lookup_max: int | None = Field(
         None, ge=1, description="Longest n-gram matched (ngram); default prompt_lookup_min, else 5"
@@ -40,11 +47,17 @@ class SpeculativeConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_method(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("method") not in SUPPORTED_METHODS:
-            method = data.get("method")
+        if not isinstance(data, dict):
+            return data
+        if data.get("method") is None and data.get("model") is not None:
+            data = {**data, "method": "draft_model"}  # as vLLM infers it
+        method = data.get("method")
+        if method not in SUPPORTED_METHODS:
             raise ValueError(
                 f"speculative_config method {method!r} is not supported; supported: {', '.join(SUPPORTED_METHODS)}"
             )
+        if (method == "draft_model") != (data.get("model") is not None):
+            raise ValueError("speculative_config needs a model for method draft_model, and only for it")
         return data
 
     @model_validator(mode="after")

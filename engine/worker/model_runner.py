@@ -32,6 +32,7 @@ from engine.sample.metadata import SamplingMetadata, build_sampling_metadata
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_cache_manager import cdiv
+from engine.spec_decode.draft_model import DraftModel
 from engine.worker.cache_engine import CacheEngine
 from engine.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from engine.worker.draft_rows import AcceptedTokens, SampleRow, accept_drafts, sample_rows
@@ -64,6 +65,8 @@ class ModelRunner:
         self.kv_caches: dict[int, torch.Tensor] = {}
         self._drafts: dict[str, list[int]] = {}  # this step's speculative drafts, by sequence
         self.model: torch.nn.Module | None = None
+        # A speculative draft model, on the rank that samples (engine/spec_decode/draft_model.py).
+        self.draft: DraftModel | None = None
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs, on CUDA only
         # (start, end) perf_counter times of recent forward passes: shows pipeline stages overlapping.
         self.forward_times: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
@@ -79,6 +82,9 @@ class ModelRunner:
         fused = fuse_decoder_layers(self.model, self.attention_backend, self.block_size)
         if fused:
             logger.info("%d decoder layers run as one C++ call each (engine/models/fused_layers.py)", fused)
+        speculative = self.config.speculative.speculative_config
+        if speculative is not None and speculative.method == "draft_model" and get_parallel_state().is_driver:
+            self.draft = DraftModel(self.config, self.dtype, self.device)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -104,6 +110,7 @@ class ModelRunner:
         logit_indices = [row.hidden_index for row in rows]
         logit_indices += [index for _, indices, _ in prompt_rows for index in indices]
         output = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
+        accepted: list[AcceptedTokens] = []
         if logit_indices:  # else every sequence is mid-prefill, with no prompt logprobs wanted
             logits = self.model.compute_logits(
                 hidden[torch.tensor(logit_indices, dtype=torch.long, device=self.device)]
@@ -121,8 +128,34 @@ class ModelRunner:
             output.seq_ids = [seq.seq_id for seq in accepted]
             output.sampled_token_ids = [seq.tokens for seq in accepted]
             output.logprobs = self._sampled_logprobs(states, accepted, sampled.logprobs)
+        if self.draft is not None:
+            output.spec_token_ids = self._propose_drafts(
+                input_ids, positions, meta, accepted, scheduler_output
+            )
         self._advance(order, num_scheduled)
         return output
+
+    def _propose_drafts(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        accepted: list[AcceptedTokens],
+        scheduler_output: SchedulerOutput,
+    ) -> dict[str, list[int]]:
+        """The draft model's proposals after each sequence's newest token, for those the scheduler
+        asked (the draft runs over the step's tokens in any case, to keep its cache filled)."""
+        wanted = set(scheduler_output.draft_seq_ids)
+        proposing = [seq for seq in accepted if seq.seq_id in wanted]
+        states = [self.input_batch.seqs[seq.seq_id] for seq in proposing]
+        # The newest token sits after the sequence's known tokens and this step's other new ones.
+        newest = [
+            (seq.tokens[-1], len(state.token_ids) + len(seq.tokens) - 1)
+            for seq, state in zip(proposing, states, strict=True)
+        ]
+        rows = self.input_batch.block_table[[state.row for state in states]]
+        proposals = self.draft.propose(input_ids, positions, meta, newest, rows)
+        return {seq.seq_id: drafts for seq, drafts in zip(proposing, proposals, strict=True)}
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -84,6 +84,10 @@ class Worker:
         cache = self.config.cache
         runner = self.model_runner
         block_bytes = CacheEngine.bytes_per_block(cache.block_size, runner.kv_cache_spec(), runner.dtype)
+        if runner.draft is not None:  # a speculative draft model's cache has a block for each
+            block_bytes += CacheEngine.bytes_per_block(
+                cache.block_size, runner.draft.kv_cache_spec(), runner.dtype
+            )
         num_cpu_blocks = int(cache.swap_space * GiB) // block_bytes
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks, num_cpu_blocks
@@ -141,6 +145,8 @@ class Worker:
             num_cpu_blocks,
         )
         runner.kv_caches = self.cache_engine.kv_caches
+        if runner.draft is not None:
+            runner.draft.initialize_cache(num_blocks, num_cpu_blocks)
         if not graphs_off:
             runner.capture_decode_graphs(padding_block=num_blocks)
 
@@ -154,6 +160,8 @@ class Worker:
         worker), is waited for only when the step samples."""
         if scheduler_output.has_block_moves:
             self.cache_engine.move_blocks(scheduler_output)
+            if self.model_runner.draft is not None:
+                self.model_runner.draft.move_blocks(scheduler_output)
         output = self.model_runner.execute_model(scheduler_output, grammar_bitmask)
         return output if get_parallel_state().is_driver else None
 

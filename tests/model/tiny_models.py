@@ -32,12 +32,13 @@ def write_tiny_model(
     hidden_size: int = 64,
     intermediate_size: int = 128,
     sliding_window: int = 16,
+    vocab_size: int | None = None,
 ) -> Path:
     """A 2-layer model with SmolLM2's tokenizer (so text prompts work) and random weights
     (`sliding_window`: Mistral's, on every layer)."""
     tokenizer = load_tokenizer(ModelSource(packaged_model_path(), "gguf"))
     settings = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=2,
