@@ -7,6 +7,7 @@ prefill chunks, so that attention backends can batch decodes of similar length t
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 
@@ -234,11 +235,8 @@ class ModelRunner:
             (
                 token
                 for state, seq_drafts, start, n in zip(states, drafts, starts, query_lens, strict=True)
-                for token in (
-                    state.token_ids[start : start + n]
-                    if not seq_drafts
-                    else [*state.token_ids, *seq_drafts][start : start + n]
-                )
+                # A sequence's drafts are scheduled whole, right after its last known token.
+                for token in itertools.chain(state.token_ids[start : start + n], seq_drafts)
             ),
             dtype=np.int64,
             count=int(query_start_loc[-1]),
