@@ -111,6 +111,8 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.groups.add_request(request)
         self.requests[request.request_id] = request
+        if self.speculator is not None:
+            self.speculator.log_if_off(request)
         self._enqueue(self.waiting, request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:

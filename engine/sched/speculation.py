@@ -14,6 +14,8 @@ up to the verified tokens, so no cached block ever holds a rejected draft.
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 
 from engine.outputs import SchedulerStats, SpecDecodeStats
@@ -21,6 +23,8 @@ from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.request import Request, Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram_proposer import NgramProposer
+
+logger = logging.getLogger(__name__)
 
 
 class Speculator:
@@ -35,16 +39,33 @@ class Speculator:
         self.kv_cache_manager = kv_cache_manager
         self.max_seq_len = max_seq_len
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+        self._reasons_logged: set[str] = set()
 
     @staticmethod
-    def speculates(request: Request) -> bool:
-        """Whether a request's sequences take drafts: not beams or several sequences sharing blocks
-        (forks), not under a grammar (its matcher would have to try each draft)."""
-        return (
-            request.beam_search is None
-            and request.sampling_params.num_sequences == 1
-            and request.grammar is None
-        )
+    def why_not(request: Request) -> str | None:
+        """Why a request's sequences take no drafts, or None where they do: not beams or several
+        sequences sharing blocks (forks), not under a grammar (its matcher would have to try each draft)."""
+        if request.beam_search is not None:
+            return "beam search"
+        if request.sampling_params.num_sequences > 1:
+            return "n > 1"
+        if request.grammar is not None:
+            return "structured output"
+        return None
+
+    @classmethod
+    def speculates(cls, request: Request) -> bool:
+        return cls.why_not(request) is None
+
+    def log_if_off(self, request: Request) -> None:
+        """Say why an arriving request decodes without speculation: the first time for each reason
+        at INFO, later ones at DEBUG (a server may see many such requests)."""
+        reason = self.why_not(request)
+        if reason is None:
+            return
+        level = logging.DEBUG if reason in self._reasons_logged else logging.INFO
+        self._reasons_logged.add(reason)
+        logger.log(level, "request %s decodes without speculation: %s", request.request_id, reason)
 
     def lookahead_for(self, request: Request) -> int:
         """Slots past a sampling sequence's tokens for the draft model's proposals (none for n-grams)."""

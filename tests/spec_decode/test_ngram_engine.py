@@ -4,14 +4,18 @@ Greedy outputs must be token-identical, in float32 and bfloat16, with chunked pr
 caching and preemption forced by a small cache; seeded sampling with every sampling parameter too
 (each position draws from its own (seed, position) generator, and the drafts accepted are the
 tokens sampled), with the same log-probabilities; stop strings and max_tokens cut the output at the
-same token. Every block returns to the pool.
+same token. Every block returns to the pool. Requests that cannot take drafts (n > 1, a grammar)
+decode without them, with the reason logged.
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutputsParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PASSAGE = (
@@ -105,3 +109,21 @@ def test_stop_strings_and_max_tokens_cut_at_the_same_token(engines):
         )
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
     assert all(len(output.token_ids) == 7 for output in generate(speculating, params))
+
+
+def test_requests_that_cannot_speculate_decode_without_it_and_say_why(engines, caplog):
+    plain, speculating = engines
+    choice = StructuredOutputsParams(choice=["fox", "dog", "oak tree"])
+    requests = {
+        "n > 1": SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=16, ignore_eos=True),
+        "structured output": SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=choice),
+    }
+    for reason, params in requests.items():
+        before = speculating.get_stats()["spec_decode"].num_drafts
+        with caplog.at_level(logging.INFO, logger="engine.sched.speculation"):
+            got = speculating.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs
+        assert [o.token_ids for o in got] == [
+            o.token_ids for o in plain.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs
+        ]
+        assert speculating.get_stats()["spec_decode"].num_drafts == before
+        assert f"decodes without speculation: {reason}" in caplog.text
