@@ -6,6 +6,7 @@ cluster, which would otherwise run beside it until this module ends."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,6 +244,8 @@ def server(
     flags = [
         *("--served-model-name", MODEL, "--api-key", API_KEY),
         *("--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"),
+        # The model drafting itself (whole, on the first worker, beside its half of the target).
+        *("--speculative-config", json.dumps({"model": str(tiny_model), "num_speculative_tokens": 2})),
         # Short health checks, so that a replica whose engine died is replaced within seconds.
         *("--health-check-period-s", "1", "--health-check-timeout-s", "5"),
         *engine_flags(tiny_model),
@@ -268,6 +271,11 @@ def test_completions_and_chat_match_the_offline_engine(
 ) -> None:
     assert_serves_greedy_texts(client, expected)
     assert [model.id for model in client.models.list()] == [MODEL]
+    # The drafts verified by the replica's engine reach the ingress's /metrics at its next refresh.
+    deadline = time.monotonic() + 15
+    while server.metric("raypage:spec_decode_num_accepted_tokens_total") == 0:
+        assert time.monotonic() < deadline, "no accepted drafts in /metrics"
+        time.sleep(0.5)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
 

@@ -58,19 +58,50 @@ def test_backend_choice():
     assert Executor.get_class(ray_config) is RayDistributedExecutor
 
 
-def test_mp_greedy_outputs_equal_uni(tiny_model: Path):
+@pytest.fixture(scope="module")
+def uni_greedy(tiny_model: Path) -> list[list[int]]:
+    """Greedy tokens of the in-process worker, without speculation."""
+    uni = LLM(str(tiny_model), **SETTINGS, distributed_executor_backend="uni")
+    try:
+        return [out.outputs[0].token_ids for out in uni.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        uni.llm_engine.shutdown()
+
+
+def test_mp_greedy_outputs_equal_uni(tiny_model: Path, uni_greedy: list[list[int]]):
     # The tiny model: what is compared is the executor's plumbing, not the weights (SmolLM2's GGUF
     # is loaded by worker processes in test_parallel_model.py); it has no EOS, so every output is
     # full length.
-    uni = LLM(str(tiny_model), **SETTINGS, distributed_executor_backend="uni")
-    expected = [out.outputs[0].token_ids for out in uni.generate(PROMPTS, GREEDY, use_tqdm=False)]
     mp = LLM(str(tiny_model), **SETTINGS, distributed_executor_backend="mp")
     try:
         got = [out.outputs[0].token_ids for out in mp.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
         mp.llm_engine.shutdown()
-    assert got == expected
+    assert got == uni_greedy
     assert all(len(ids) == GREEDY.max_tokens for ids in got)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_a_draft_model_beside_a_parallel_target_keeps_its_greedy_outputs(
+    tiny_model: Path, uni_greedy: list[list[int]], tp: int, pp: int
+):
+    # The whole draft runs on the sampling rank beside that rank's share of the target; drafting
+    # the target with itself, nearly every draft is accepted, so multi-token rows cross every rank.
+    spec = {"model": str(tiny_model), "num_speculative_tokens": 3}
+    mp = LLM(
+        str(tiny_model),
+        **SETTINGS,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        speculative_config=spec,
+    )
+    try:
+        got = [out.outputs[0].token_ids for out in mp.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        stats = mp.get_stats()["spec_decode"]
+    finally:
+        mp.llm_engine.shutdown()
+    assert got == uni_greedy
+    assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens > 0
 
 
 def test_collective_rpc_gathers_results_in_rank_order(tp2_executor: MultiprocExecutor):
