@@ -1,0 +1,414 @@
+// A linear layer computed straight from GGUF's quantized blocks, never widening the weight in memory.
+//
+// torch.ops.raypage.quant_pack(raw uint8, ggml_type, out_features, in_features) -> (quants, scales)
+//   Repacks a weight's GGUF blocks (rows of in_features / 32 blocks, as stored in the file) into the
+//   layout below, once at load.
+// torch.ops.raypage.quant_gemv(x [M, in] float32, quants, scales, ggml_type, out_features) -> [M, out] float32
+//   The decode path: x quantized to int8 once per call, int8 dot products, the weight streamed once
+//   for all M rows.
+// torch.ops.raypage.quant_dequantize(quants, scales, ggml_type, out_features, first_row, rows) -> [rows, in] float32
+//   The weight's values, as gguf.quants.dequantize gives them; the prefill path multiplies panels of these.
+//
+// Formats (ggml type ids), each a block of 32 weights of one scale d: Q4_0 (2): d * (q - 8), q in
+// 0..15; Q4_1 (3): d * q + m; Q8_0 (8): d * q, q int8. d and m are float16 in the file.
+//
+// Packed layout. Output rows go in groups of kGroupRows = 16 (the last group padded with zero rows),
+// one vector of int32 lanes per group: lane r is output row r. The quants of a (group, block) are the
+// block's bytes cut into 4-byte words, word j of every row together: bytes [j][r][4], so one 64-byte
+// load holds 4 consecutive quant bytes of all 16 rows, exactly what one `vpdpbusd` multiplies by 4
+// activation bytes broadcast to every lane. Q8_0 has 8 such words a block, Q4 formats 4 (word j's low
+// nibbles are elements 4j..4j+3, its high nibbles elements 16+4j..16+4j+3: GGUF's own order, so the
+// nibbles are not moved). The scales of a (group, block) are 16 float16 d, then for Q4_1 16 float16
+// m: kept as float16, the bytes the file has, because a decode step is bound by the bytes it reads
+// (converting 16 of them is one instruction).
+//   quants: uint8 [groups, blocks, words * 64], scales: float16 [groups, blocks, 1 or 2, 16]
+//
+// Arithmetic of the decode path: each row of x is quantized per block of 32 to int8 q_x with a
+// float32 scale d_x = max|x| / 127 (llama.cpp's Q8_0 activations, scale kept in float32), and the
+// sum of its q_x. A block then adds d_w * d_x * sum(q_w * q_x) (+ m_w * d_x * sum(q_x) for Q4_1),
+// the integer dot exact in int32; Q4_0's -8 and the VNNI path's Q8_0 offset (below) are subtracted
+// in integers too, so activations that are exactly int8 blocks give the float reference up to the
+// order of float32 operations.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;      // weights per block, in every format here
+constexpr int64_t kGroupRows = 16;  // output rows per group: one vector of 16 int32 lanes
+constexpr int64_t kWordBytes = 4;   // quant bytes per row that one dot-product lane takes at a time
+constexpr int64_t kWordRowBytes = kGroupRows * kWordBytes;
+constexpr int64_t kRowsPerPass = 4;  // activation rows that share one load of the weights' registers
+
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+struct Layout {
+  int64_t raw_block_bytes;  // bytes of one block in the GGUF file
+  int64_t raw_scales;       // float16 scales at the start of a raw block: d, or d and m
+  int64_t words;            // 4-byte quant words per row and block
+};
+
+Layout layout_of(int64_t format) {
+  switch (format) {
+    case kQ4_0: return {18, 1, 4};
+    case kQ4_1: return {20, 2, 4};
+    case kQ8_0: return {34, 1, 8};
+    default: TORCH_CHECK(false, "quant_linear: unsupported ggml type ", format, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Repacking
+
+std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t format, int64_t out_features,
+                                              int64_t in_features) {
+  const Layout layout = layout_of(format);
+  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0 && out_features > 0,
+              "quant_pack: in_features must be a positive multiple of ", kBlock, ", got [", out_features, ", ",
+              in_features, "]");
+  const int64_t blocks = in_features / kBlock, groups = (out_features + kGroupRows - 1) / kGroupRows;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() &&
+                  raw.numel() == out_features * blocks * layout.raw_block_bytes,
+              "quant_pack: raw must be ", out_features * blocks * layout.raw_block_bytes,
+              " contiguous uint8 bytes for [", out_features, ", ", in_features, "], got ", raw.numel(), " of ",
+              raw.scalar_type());
+  const int64_t group_block_bytes = layout.words * kWordRowBytes;
+  // Zeros: the padding rows of the last group have zero scales and quants, and produce 0.
+  at::Tensor quants = at::zeros({groups, blocks, group_block_bytes}, raw.options());
+  at::Tensor scales = at::zeros({groups, blocks, layout.raw_scales, kGroupRows}, raw.options().dtype(at::kHalf));
+  const uint8_t* src = raw.const_data_ptr<uint8_t>();
+  uint8_t* dst = quants.mutable_data_ptr<uint8_t>();
+  uint16_t* dst_scales = reinterpret_cast<uint16_t*>(scales.mutable_data_ptr<at::Half>());
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t rows = std::min(kGroupRows, out_features - g * kGroupRows);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* row = src + (g * kGroupRows + r) * blocks * layout.raw_block_bytes;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* block = row + b * layout.raw_block_bytes;
+          const int64_t at = g * blocks + b;
+          for (int64_t s = 0; s < layout.raw_scales; ++s)
+            std::memcpy(dst_scales + (at * layout.raw_scales + s) * kGroupRows + r, block + 2 * s, 2);
+          const uint8_t* qs = block + 2 * layout.raw_scales;
+          for (int64_t j = 0; j < layout.words; ++j)
+            std::memcpy(dst + at * group_block_bytes + j * kWordRowBytes + r * kWordBytes, qs + j * kWordBytes,
+                        kWordBytes);
+        }
+      }
+    }
+  });
+  return {quants, scales};
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Reading one packed (group, block): the scalar definitions every path agrees with
+
+// The integer quant of row r, element i (0..31) of a packed block, offset included: Q4_0's q - 8, Q8_0's
+// signed byte, Q4_1's q (its m is added separately).
+inline int32_t quant_at(int64_t format, const uint8_t* block, int64_t r, int64_t i) {
+  if (format == kQ8_0) return static_cast<int8_t>(block[(i / kWordBytes) * kWordRowBytes + r * kWordBytes + i % kWordBytes]);
+  const int64_t k = i % 16;
+  const uint8_t byte = block[(k / kWordBytes) * kWordRowBytes + r * kWordBytes + k % kWordBytes];
+  const int32_t q = i < 16 ? byte & 0x0F : byte >> 4;
+  return format == kQ4_0 ? q - 8 : q;
+}
+
+inline float half_to_float(const uint16_t* bits) { return static_cast<float>(c10::Half(*bits, c10::Half::from_bits())); }
+
+// Rows [first_row, first_row + rows) of the weight as float32 (d * q + m, as gguf dequantizes).
+at::Tensor quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_t format, int64_t out_features,
+                            int64_t first_row, int64_t rows) {
+  const Layout layout = layout_of(format);
+  const int64_t blocks = quants.size(1), in_features = blocks * kBlock, group_block_bytes = quants.size(2);
+  TORCH_CHECK(first_row >= 0 && rows >= 0 && first_row + rows <= out_features,
+              "quant_dequantize: rows [", first_row, ", ", first_row + rows, ") outside [0, ", out_features, ")");
+  at::Tensor out = at::empty({rows, in_features}, quants.options().dtype(at::kFloat));
+  const uint8_t* q = quants.const_data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
+  float* o = out.mutable_data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = first_row + i, g = row / kGroupRows, r = row % kGroupRows;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t at = g * blocks + b;
+        const uint8_t* block = q + at * group_block_bytes;
+        const float d = half_to_float(s + (at * layout.raw_scales) * kGroupRows + r);
+        const float m = format == kQ4_1 ? half_to_float(s + (at * layout.raw_scales + 1) * kGroupRows + r) : 0.f;
+        float* dst = o + i * in_features + b * kBlock;
+        for (int64_t e = 0; e < kBlock; ++e) dst[e] = d * static_cast<float>(quant_at(format, block, r, e)) + m;
+      }
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Activations quantized per block of 32: int8 quants, a float32 scale and the sum of the quants
+
+struct QuantizedActivations {
+  std::vector<int8_t> quants;  // [M, in]
+  std::vector<float> scales;   // [M, blocks]
+  std::vector<int32_t> sums;   // [M, blocks]
+  int64_t in_features, blocks;
+
+  const int8_t* block_quants(int64_t m, int64_t b) const { return quants.data() + m * in_features + b * kBlock; }
+  float scale(int64_t m, int64_t b) const { return scales[m * blocks + b]; }
+  int32_t sum(int64_t m, int64_t b) const { return sums[m * blocks + b]; }
+};
+
+QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t in_features) {
+  const int64_t blocks = in_features / kBlock;
+  QuantizedActivations a{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * blocks),
+                         std::vector<int32_t>(rows * blocks), in_features, blocks};
+  for (int64_t i = 0; i < rows * blocks; ++i) {
+    const float* src = x + i * kBlock;
+    float amax = 0.f;
+    for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(src[e]));
+    const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+    int8_t* q = a.quants.data() + i * kBlock;
+    int32_t sum = 0;
+    for (int64_t e = 0; e < kBlock; ++e) {
+      q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(src[e] * inverse), -127.f, 127.f));
+      sum += q[e];
+    }
+    a.scales[i] = d;
+    a.sums[i] = sum;
+  }
+  return a;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The decode path, one group of 16 output rows against activation rows [m0, m0 + MC)
+
+#if defined(__AVX512VNNI__)
+
+// `vpdpbusd` multiplies unsigned weight bytes by signed activation bytes, 4 a lane. Q4 quants are
+// unsigned already; Q8_0's signed ones are flipped to q + 128 (xor 0x80), and 128 * sum(q_x) is
+// subtracted from the lane's integer dot afterwards.
+template <int64_t F>
+inline void load_weights(const uint8_t* block, __m512i (&w)[8]) {
+  if constexpr (F == kQ8_0) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(_mm512_loadu_si512(block + j * kWordRowBytes), flip);
+  } else {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(block + j * kWordRowBytes);
+      w[j] = _mm512_and_si512(packed, nibble);
+      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+  }
+}
+
+// What each activation quant's sum is multiplied by and subtracted from the integer dot.
+template <int64_t F>
+constexpr int32_t kIntegerOffset = F == kQ8_0 ? 128 : F == kQ4_0 ? 8 : 0;
+
+template <int64_t F, int MC>
+void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_count, const QuantizedActivations& a,
+                int64_t m0, float (*sums)[kGroupRows]) {
+  const int64_t group_block_bytes = (F == kQ8_0 ? 8 : 4) * kWordRowBytes;
+  __m512 acc[MC];
+  for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    __m512i w[8];
+    load_weights<F>(quants + b * group_block_bytes, w);
+    const uint16_t* s = scales + b * scale_count * kGroupRows;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    for (int i = 0; i < MC; ++i) {
+      const int8_t* x = a.block_quants(m0 + i, b);
+      __m512i dot = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        int32_t word;
+        std::memcpy(&word, x + j * kWordBytes, kWordBytes);
+        dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(word));
+      }
+      if constexpr (kIntegerOffset<F> != 0)
+        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(kIntegerOffset<F> * a.sum(m0 + i, b)));
+      const float dx = a.scale(m0 + i, b);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
+      if constexpr (F == kQ4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kGroupRows)));
+        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(a.sum(m0 + i, b))), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < MC; ++i) _mm512_storeu_ps(sums[i], acc[i]);
+}
+
+#elif defined(__AVX2__)
+
+// `vpmaddubsw` multiplies unsigned by signed bytes into saturating int16 pairs: fine for Q4's 0..15,
+// not for Q8_0 flipped to 0..255, so Q8_0 takes the sign trick instead: |q_w| times q_x with q_w's
+// sign, at most 2 * 128 * 127 a pair. 8 int32 lanes a vector: a group is two halves of 8 rows.
+template <int64_t F>
+inline void load_weights(const uint8_t* block, int half, __m256i (&w)[8]) {
+  const uint8_t* p = block + half * 32;
+  if constexpr (F == kQ8_0) {
+    for (int j = 0; j < 8; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * kWordRowBytes));
+  } else {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * kWordRowBytes));
+      w[j] = _mm256_and_si256(packed, nibble);
+      w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    }
+  }
+}
+
+template <int64_t F>
+constexpr int32_t kIntegerOffset = F == kQ4_0 ? 8 : 0;
+
+template <int64_t F>
+inline __m256i dot_word(__m256i acc, __m256i w, __m256i x) {
+  const __m256i pairs = F == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+                                   : _mm256_maddubs_epi16(w, x);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+template <int64_t F, int MC>
+void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_count, const QuantizedActivations& a,
+                int64_t m0, float (*sums)[kGroupRows]) {
+  const int64_t group_block_bytes = (F == kQ8_0 ? 8 : 4) * kWordRowBytes;
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MC];
+    for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      __m256i w[8];
+      load_weights<F>(quants + b * group_block_bytes, half, w);
+      const uint16_t* s = scales + b * scale_count * kGroupRows + half * 8;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      for (int i = 0; i < MC; ++i) {
+        const int8_t* x = a.block_quants(m0 + i, b);
+        __m256i dot = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          int32_t word;
+          std::memcpy(&word, x + j * kWordBytes, kWordBytes);
+          dot = dot_word<F>(dot, w[j], _mm256_set1_epi32(word));
+        }
+        if constexpr (kIntegerOffset<F> != 0)
+          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kIntegerOffset<F> * a.sum(m0 + i, b)));
+        const float dx = a.scale(m0 + i, b);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[i]);
+        if constexpr (F == kQ4_1) {
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kGroupRows)));
+          acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * static_cast<float>(a.sum(m0 + i, b))), acc[i]);
+        }
+      }
+    }
+    for (int i = 0; i < MC; ++i) _mm256_storeu_ps(sums[i] + half * 8, acc[i]);
+  }
+}
+
+#else
+
+// Plain loops over quant_at, for CPUs with neither: the same integer dots and the same float steps.
+template <int64_t F, int MC>
+void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_count, const QuantizedActivations& a,
+                int64_t m0, float (*sums)[kGroupRows]) {
+  const int64_t group_block_bytes = (F == kQ8_0 ? 8 : 4) * kWordRowBytes;
+  for (int i = 0; i < MC; ++i) std::fill(sums[i], sums[i] + kGroupRows, 0.f);
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = quants + b * group_block_bytes;
+    const uint16_t* s = scales + b * scale_count * kGroupRows;
+    for (int i = 0; i < MC; ++i) {
+      const int8_t* x = a.block_quants(m0 + i, b);
+      const float dx = a.scale(m0 + i, b);
+      for (int64_t r = 0; r < kGroupRows; ++r) {
+        int32_t dot = 0;
+        for (int64_t e = 0; e < kBlock; ++e) dot += quant_at(F, block, r, e) * x[e];
+        sums[i][r] += static_cast<float>(dot) * (half_to_float(s + r) * dx);
+        if constexpr (F == kQ4_1) sums[i][r] += half_to_float(s + kGroupRows + r) * (dx * static_cast<float>(a.sum(m0 + i, b)));
+      }
+    }
+  }
+}
+
+#endif
+
+// All activation rows against one group, kRowsPerPass rows per pass over the group's weights (which
+// stay in L1/L2 after the first pass: memory is read once a call).
+template <int64_t F>
+void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, int64_t scale_count, const QuantizedActivations& a,
+                   int64_t rows, int64_t first_out, int64_t valid_out, int64_t out_features, float* out) {
+  float sums[kRowsPerPass][kGroupRows];
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
+    const int64_t count = std::min(kRowsPerPass, rows - m0);
+    switch (count) {
+      case 1: gemv_group<F, 1>(quants, scales, scale_count, a, m0, sums); break;
+      case 2: gemv_group<F, 2>(quants, scales, scale_count, a, m0, sums); break;
+      case 3: gemv_group<F, 3>(quants, scales, scale_count, a, m0, sums); break;
+      default: gemv_group<F, 4>(quants, scales, scale_count, a, m0, sums); break;
+    }
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(out + (m0 + i) * out_features + first_out, sums[i], valid_out * sizeof(float));
+  }
+}
+
+static_assert(kRowsPerPass == 4, "gemv_all_rows dispatches passes of 1 to 4 rows");
+
+at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, int64_t format,
+                      int64_t out_features) {
+  const Layout layout = layout_of(format);
+  TORCH_CHECK(quants.dim() == 3 && quants.scalar_type() == at::kByte && quants.is_contiguous() &&
+                  quants.size(2) == layout.words * kWordRowBytes &&
+                  quants.size(0) == (out_features + kGroupRows - 1) / kGroupRows,
+              "quant_gemv: quants are not a packed ggml type ", format, " weight of ", out_features, " rows: ",
+              quants.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({quants.size(0), quants.size(1), layout.raw_scales, kGroupRows}),
+              "quant_gemv: scales do not match the quants: ", scales.sizes());
+  const int64_t in_features = quants.size(1) * kBlock;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "quant_gemv: x must be [rows, ", in_features, "], got ",
+              x.sizes());
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const int64_t rows = x32.size(0), groups = quants.size(0), blocks = quants.size(1);
+  at::Tensor out = at::empty({rows, out_features}, x32.options());
+  if (rows == 0) return out;
+  const QuantizedActivations a = quantize_activations(x32.const_data_ptr<float>(), rows, in_features);
+  const uint8_t* q = quants.const_data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
+  float* o = out.mutable_data_ptr<float>();
+  const int64_t group_bytes = blocks * quants.size(2), group_scales = blocks * layout.raw_scales * kGroupRows;
+  auto run = [&](auto gemv) {
+    // Grain 1: parallel_for splits the groups into one equal range per thread.
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g)
+        gemv(q + g * group_bytes, s + g * group_scales, layout.raw_scales, a, rows, g * kGroupRows,
+             std::min(kGroupRows, out_features - g * kGroupRows), out_features, o);
+    });
+  };
+  if (format == kQ4_0) run(gemv_all_rows<kQ4_0>);
+  if (format == kQ4_1) run(gemv_all_rows<kQ4_1>);
+  if (format == kQ8_0) run(gemv_all_rows<kQ8_0>);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(raypage, m) {
+  m.def("quant_pack(Tensor raw, int ggml_type, int out_features, int in_features) -> (Tensor, Tensor)");
+  m.def("quant_gemv(Tensor x, Tensor quants, Tensor scales, int ggml_type, int out_features) -> Tensor");
+  m.def(
+      "quant_dequantize(Tensor quants, Tensor scales, int ggml_type, int out_features, int first_row, int rows)"
+      " -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(raypage, CPU, m) {
+  m.impl("quant_pack", &quant_pack);
+  m.impl("quant_gemv", &quant_gemv);
+  m.impl("quant_dequantize", &quant_dequantize);
+}

@@ -1,0 +1,141 @@
+"""Linear layers computed from GGUF quantized weights as they are, on the CPU (kernels/csrc/quant_linear.cpp).
+
+A GGUF model's weights are blocks of 32 small integers with a float16 scale (and for Q4_1 a float16
+minimum). Widening them to bf16 at load costs 3.5x the memory of Q4_1 and, as decoding is bound by
+the weight bytes each step reads, about as much time. Here they stay quantized:
+
+- `pack_gguf_weight` repacks a weight's blocks once at load, 16 output rows interleaved so that one
+  vector instruction multiplies 4 quants of 16 rows by 4 activation values (the C++ file describes
+  the layout); it takes as many bytes as the file.
+- `quantized_linear` multiplies by it. Up to `GEMV_MAX_ROWS` rows (decoding) the activations are
+  quantized to int8 per block of 32 with a float32 scale, as llama.cpp does, and every output is a
+  sum of exact integer dot products times the two scales: the weight is streamed from memory once
+  for all the rows. Above that (prefill) panels of the weight are dequantized to float32 and
+  multiplied with torch's matmul, exactly the dequantized weight's product up to summation order.
+
+The decode path's only error beyond float32 rounding is the activations' int8 rounding: at most
+half a step of max|x| / 127 per value of each block of 32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.build import cpu_kernels_available
+
+# ggml's type ids (gguf.GGMLQuantizationType) of the formats the kernels read, and their block sizes:
+# (weights per block, bytes per block).
+_FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34)}
+_NAMES = {ggml_type: name for name, (ggml_type, _, _) in _FORMATS.items()}
+# Rows up to which the int8 dot-product kernel beats dequantizing panels for a float32 matmul
+# (benchmarks/bench_quant_linear.py): decode batches.
+GEMV_MAX_ROWS = 16
+# Bytes of float32 weights that one dequantized panel holds: a few rows that stay in L2 while
+# torch's matmul reads them for every activation row.
+_PANEL_BYTES = 1 << 20
+_GROUP_ROWS = 16  # the packed layout's rows per group; panels start at group boundaries
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear weight [out_features, in_features] kept in a GGUF block format, packed for the kernels.
+
+    `quants` (uint8) and `scales` (float16) are the layout of kernels/csrc/quant_linear.cpp: only its
+    ops read them. `format` is ggml's name of the block format (e.g. "Q4_1").
+    """
+
+    format: str
+    shape: tuple[int, int]
+    quants: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def ggml_type(self) -> int:
+        return _FORMATS[self.format][0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernels read for one product: the weight's whole packed form."""
+        return self.quants.nbytes + self.scales.nbytes
+
+
+def supported_ggml_types() -> dict[int, str]:
+    """ggml type id -> name of every block format `pack_gguf_weight` takes."""
+    return dict(_NAMES)
+
+
+def pack_gguf_weight(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> QuantizedWeight:
+    """Repack a weight's GGUF blocks (uint8, as stored in the file: each of the `shape[0]` rows
+    `shape[1] / 32` blocks) for `quantized_linear`. ValueError for a format the kernels do not read,
+    a row length that is not whole blocks, or bytes that do not match the shape."""
+    name = _NAMES.get(int(ggml_type))
+    if name is None:
+        raise ValueError(
+            f"ggml type {ggml_type} has no quantized CPU kernel; supported: "
+            + ", ".join(f"{n} ({t})" for t, n in _NAMES.items())
+        )
+    _, block_size, block_bytes = _FORMATS[name]
+    out_features, in_features = shape
+    if out_features <= 0 or in_features <= 0 or in_features % block_size:
+        raise ValueError(
+            f"{name} weight of shape {tuple(shape)}: the input size must be a positive multiple "
+            f"of the block size {block_size}"
+        )
+    expected = out_features * in_features // block_size * block_bytes
+    if raw.dtype != torch.uint8 or raw.numel() != expected:
+        raise ValueError(
+            f"{name} weight of shape {tuple(shape)} takes {expected} uint8 bytes, got {raw.numel()} of {raw.dtype}"
+        )
+    _require_kernels()
+    quants, scales = torch.ops.raypage.quant_pack(
+        raw.contiguous().view(-1), _FORMATS[name][0], out_features, in_features
+    )
+    return QuantizedWeight(name, (out_features, in_features), quants, scales)
+
+
+def dequantize(weight: QuantizedWeight, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
+    """Rows [first_row, first_row + rows) of the weight in float32, as gguf.quants.dequantize gives them."""
+    out_features = weight.shape[0]
+    rows = out_features - first_row if rows is None else rows
+    return torch.ops.raypage.quant_dequantize(
+        weight.quants, weight.scales, weight.ggml_type, out_features, first_row, rows
+    )
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) for x of any leading dims ending in in_features, float32 or bf16; the
+    result has x's dtype."""
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x ends in {x.shape[-1]} features, the weight takes {in_features}")
+    rows = x.reshape(-1, in_features)
+    if rows.shape[0] <= GEMV_MAX_ROWS:
+        out = torch.ops.raypage.quant_gemv(rows, weight.quants, weight.scales, weight.ggml_type, out_features)
+    else:
+        out = _panel_matmul(rows.float(), weight)
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def _panel_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [M, in] float32 @ weight.T, one dequantized panel of rows at a time: only a panel is ever
+    widened, and it is still in cache when the matmul reads it."""
+    out_features, in_features = weight.shape
+    panel_rows = max(_GROUP_ROWS, _PANEL_BYTES // (4 * in_features) // _GROUP_ROWS * _GROUP_ROWS)
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    for first in range(0, out_features, panel_rows):
+        rows = min(panel_rows, out_features - first)
+        torch.mm(x, dequantize(weight, first, rows).T, out=out[:, first : first + rows])
+    return out
+
+
+def _require_kernels() -> None:
+    if not cpu_kernels_available():
+        raise RuntimeError(
+            "the quantized linear kernels need raypage's C++ CPU kernels, which are not built here"
+        )
