@@ -7,11 +7,12 @@ the weight bytes each step reads, about as much time. Here they stay quantized:
 - `pack_gguf_weight` repacks a weight's blocks once at load, 16 output rows interleaved so that one
   vector instruction multiplies 4 quants of 16 rows by 4 activation values (the C++ file describes
   the layout); it takes as many bytes as the file.
-- `quantized_linear` multiplies by it. Up to `GEMV_MAX_ROWS` rows (decoding) the activations are
-  quantized to int8 per block of 32 with a float32 scale, as llama.cpp does, and every output is a
-  sum of exact integer dot products times the two scales: the weight is streamed from memory once
-  for all the rows. Above that (prefill) panels of the weight are dequantized to float32 and
-  multiplied with torch's matmul, exactly the dequantized weight's product up to summation order.
+- `quantized_linear` multiplies by it. Up to `GEMV_MAX_ROWS` rows (decoding, small prefills) the
+  activations are quantized to int8 per block of 32 with a float32 scale, as llama.cpp does, and
+  every output is a sum of exact integer dot products times the two scales: the weight is streamed
+  from memory once for all the rows. Above that (prefill) panels of the weight are dequantized, to bf16 for bf16
+  activations and to float32 otherwise, and multiplied with torch's matmul: the dequantized
+  weight's product up to summation order (and bf16's rounding of the weight).
 
 The decode path's only error beyond float32 rounding is the activations' int8 rounding: at most
 half a step of max|x| / 127 per value of each block of 32.
@@ -29,9 +30,10 @@ from kernels.build import cpu_kernels_available
 # (weights per block, bytes per block).
 _FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34)}
 _NAMES = {ggml_type: name for name, (ggml_type, _, _) in _FORMATS.items()}
-# Rows up to which the int8 dot-product kernel beats dequantizing panels for a float32 matmul
-# (benchmarks/bench_quant_linear.py): decode batches.
-GEMV_MAX_ROWS = 16
+# Rows up to which the int8 dot-product kernel is faster than bf16 panels and torch's matmul: on a
+# Xeon with AVX512-VNNI and AMX, two threads, 2048 -> 2048, they break even at 128 rows (GEMV 2.4 ms,
+# panels 2.3 ms), the kernel is 1.5x faster at 64 and 4x at 16 (benchmarks/bench_quant_linear.py).
+GEMV_MAX_ROWS = 128
 # Bytes of float32 weights that one dequantized panel holds: a few rows that stay in L2 while
 # torch's matmul reads them for every activation row.
 _PANEL_BYTES = 1 << 20
@@ -95,13 +97,23 @@ def pack_gguf_weight(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) 
     return QuantizedWeight(name, (out_features, in_features), quants, scales)
 
 
-def dequantize(weight: QuantizedWeight, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
-    """Rows [first_row, first_row + rows) of the weight in float32, as gguf.quants.dequantize gives them."""
-    out_features = weight.shape[0]
-    rows = out_features - first_row if rows is None else rows
-    return torch.ops.raypage.quant_dequantize(
-        weight.quants, weight.scales, weight.ggml_type, out_features, first_row, rows
-    )
+def dequantize(
+    weight: QuantizedWeight,
+    first_row: int = 0,
+    rows: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows [first_row, first_row + rows) of the weight as gguf.quants.dequantize gives them, in
+    float32 or rounded to bf16; first_row a multiple of 16 (the packed groups). A transposed view:
+    the kernel writes each group's rows as adjacent columns."""
+    rows = weight.shape[0] - first_row if rows is None else rows
+    if first_row < 0 or first_row % _GROUP_ROWS or rows < 0 or first_row + rows > weight.shape[0]:
+        raise ValueError(
+            f"rows [{first_row}, {first_row + rows}) of {weight.shape[0]}: they must start at a multiple of {_GROUP_ROWS}"
+        )
+    out = torch.empty(weight.shape[1], rows, dtype=dtype)
+    torch.ops.raypage.quant_dequantize(weight.quants, weight.scales, weight.ggml_type, first_row, out)
+    return out.T
 
 
 def quantized_linear(
@@ -116,21 +128,27 @@ def quantized_linear(
     if rows.shape[0] <= GEMV_MAX_ROWS:
         out = torch.ops.raypage.quant_gemv(rows, weight.quants, weight.scales, weight.ggml_type, out_features)
     else:
-        out = _panel_matmul(rows.float(), weight)
+        out = _panel_matmul(rows, weight)
     if bias is not None:
         out += bias
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
 def _panel_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x [M, in] float32 @ weight.T, one dequantized panel of rows at a time: only a panel is ever
-    widened, and it is still in cache when the matmul reads it."""
+    """x [M, in] @ weight.T in float32, one dequantized panel of rows at a time: only a panel is
+    ever widened, into one buffer that is still in cache when the matmul reads it. bf16 activations
+    get bf16 panels (the CPU's bf16 matmul, AMX where it has it, with float32 sums): the weight's
+    values rounded to bf16, no more error than the result's own rounding to bf16."""
     out_features, in_features = weight.shape
-    panel_rows = max(_GROUP_ROWS, _PANEL_BYTES // (4 * in_features) // _GROUP_ROWS * _GROUP_ROWS)
+    dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    x = x.to(dtype)
+    panel_rows = _PANEL_BYTES // (in_features * dtype.itemsize) // _GROUP_ROWS * _GROUP_ROWS
+    panel = torch.empty(in_features, max(panel_rows, _GROUP_ROWS), dtype=dtype)  # transposed rows
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    for first in range(0, out_features, panel_rows):
-        rows = min(panel_rows, out_features - first)
-        torch.mm(x, dequantize(weight, first, rows).T, out=out[:, first : first + rows])
+    for first in range(0, out_features, panel.shape[1]):
+        columns = panel[:, : min(panel.shape[1], out_features - first)]
+        torch.ops.raypage.quant_dequantize(weight.quants, weight.scales, weight.ggml_type, first, columns)
+        out[:, first : first + columns.shape[1]] = torch.mm(x, columns)
     return out
 
 

@@ -6,8 +6,9 @@
 // torch.ops.raypage.quant_gemv(x [M, in] float32, quants, scales, ggml_type, out_features) -> [M, out] float32
 //   The decode path: x quantized to int8 once per call, int8 dot products, the weight streamed once
 //   for all M rows.
-// torch.ops.raypage.quant_dequantize(quants, scales, ggml_type, out_features, first_row, rows) -> [rows, in] float32
-//   The weight's values, as gguf.quants.dequantize gives them; the prefill path multiplies panels of these.
+// torch.ops.raypage.quant_dequantize(quants, scales, ggml_type, first_row, out [in, rows] float32 or bf16)
+//   Rows of the weight's values, transposed, as gguf.quants.dequantize gives them (rounded to bf16
+//   for a bf16 out); the prefill path multiplies panels of these.
 //
 // Formats (ggml type ids), each a block of 32 weights of one scale d: Q4_0 (2): d * (q - 8), q in
 // 0..15; Q4_1 (3): d * q + m; Q8_0 (8): d * q, q int8. d and m are float16 in the file.
@@ -39,13 +40,18 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#include "simd.h"
 
 #if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+using namespace raypage::simd;
 
 constexpr int64_t kBlock = 32;      // weights per block, in every format here
 constexpr int64_t kGroupRows = 16;  // output rows per group: one vector of 16 int32 lanes
@@ -68,6 +74,29 @@ Layout layout_of(int64_t format) {
     case kQ8_0: return {34, 1, 8};
     default: TORCH_CHECK(false, "quant_linear: unsupported ggml type ", format, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
   }
+}
+
+// Calls body(std::integral_constant<int64_t, format>{}): the kernels are compiled once a format.
+template <typename Body>
+void dispatch_format(int64_t format, Body body) {
+  switch (format) {
+    case kQ4_0: return body(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return body(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ8_0: return body(std::integral_constant<int64_t, kQ8_0>{});
+    default: layout_of(format);  // raises, naming the type
+  }
+}
+
+// That quants and scales are quant_pack's output for `format`.
+void check_packed(const at::Tensor& quants, const at::Tensor& scales, int64_t format, const char* op) {
+  const Layout layout = layout_of(format);
+  TORCH_CHECK(quants.dim() == 3 && quants.scalar_type() == at::kByte && quants.is_contiguous() &&
+                  quants.size(2) == layout.words * kWordRowBytes,
+              op, ": quants are not a packed ggml type ", format, " weight: ", quants.scalar_type(), " ",
+              quants.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({quants.size(0), quants.size(1), layout.raw_scales, kGroupRows}),
+              op, ": scales do not match the quants: ", scales.sizes());
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -114,45 +143,120 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t for
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Reading one packed (group, block): the scalar definitions every path agrees with
+// Dequantizing: the prefill path's panels, transposed ([in, rows]: a group's rows are 16 adjacent
+// columns, so every vector of 16 lanes of the packed layout is one contiguous store)
 
-// The integer quant of row r, element i (0..31) of a packed block, offset included: Q4_0's q - 8, Q8_0's
-// signed byte, Q4_1's q (its m is added separately).
-inline int32_t quant_at(int64_t format, const uint8_t* block, int64_t r, int64_t i) {
-  if (format == kQ8_0) return static_cast<int8_t>(block[(i / kWordBytes) * kWordRowBytes + r * kWordBytes + i % kWordBytes]);
-  const int64_t k = i % 16;
-  const uint8_t byte = block[(k / kWordBytes) * kWordRowBytes + r * kWordBytes + k % kWordBytes];
-  const int32_t q = i < 16 ? byte & 0x0F : byte >> 4;
-  return format == kQ4_0 ? q - 8 : q;
+[[maybe_unused]] inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+template <typename T>
+inline void store_lanes(const float* values, int64_t count, T* out) {
+  for (int64_t r = 0; r < count; ++r) out[r] = static_cast<T>(values[r]);
 }
 
-inline float half_to_float(const uint16_t* bits) { return static_cast<float>(c10::Half(*bits, c10::Half::from_bits())); }
+// One (group, block) into rows [0, 32) of `out` (row stride `stride`), its `count` leading columns:
+// lane r is row r's weight, d * q + m as gguf.quants.dequantize computes it (a product, then a sum:
+// the build contracts no multiply-adds). Word j of a row holds quants 4j..4j+3 (Q8_0: byte e is
+// quant 4j+e) or, in nibbles, quants 4j..4j+3 and 16+4j..16+4j+3 (Q4: byte e's low nibble, then
+// its high one).
+#if defined(__AVX512F__)
 
-// Rows [first_row, first_row + rows) of the weight as float32 (d * q + m, as gguf dequantizes).
-at::Tensor quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_t format, int64_t out_features,
-                            int64_t first_row, int64_t rows) {
-  const Layout layout = layout_of(format);
-  const int64_t blocks = quants.size(1), in_features = blocks * kBlock, group_block_bytes = quants.size(2);
-  TORCH_CHECK(first_row >= 0 && rows >= 0 && first_row + rows <= out_features,
-              "quant_dequantize: rows [", first_row, ", ", first_row + rows, ") outside [0, ", out_features, ")");
-  at::Tensor out = at::empty({rows, in_features}, quants.options().dtype(at::kFloat));
-  const uint8_t* q = quants.const_data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
-  float* o = out.mutable_data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = first_row + i, g = row / kGroupRows, r = row % kGroupRows;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t at = g * blocks + b;
-        const uint8_t* block = q + at * group_block_bytes;
-        const float d = half_to_float(s + (at * layout.raw_scales) * kGroupRows + r);
-        const float m = format == kQ4_1 ? half_to_float(s + (at * layout.raw_scales + 1) * kGroupRows + r) : 0.f;
-        float* dst = o + i * in_features + b * kBlock;
-        for (int64_t e = 0; e < kBlock; ++e) dst[e] = d * static_cast<float>(quant_at(format, block, r, e)) + m;
+template <int64_t F>
+inline __m512i quants_of(__m512i words, int e, int nibble) {
+  if constexpr (F == kQ8_0)  // byte e to the top, then back down with its sign
+    return _mm512_srai_epi32(_mm512_sllv_epi32(words, _mm512_set1_epi32(24 - 8 * e)), 24);
+  const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(words, _mm512_set1_epi32(8 * e + 4 * nibble)),
+                                     _mm512_set1_epi32(0x0F));
+  return F == kQ4_0 ? _mm512_sub_epi32(q, _mm512_set1_epi32(8)) : q;
+}
+
+template <int64_t F, typename T>
+void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+  const __m512 m = F == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + kGroupRows)))
+                              : _mm512_setzero_ps();
+  constexpr int64_t words = F == kQ8_0 ? 8 : 4;
+  for (int64_t j = 0; j < words; ++j) {
+    const __m512i word = _mm512_loadu_si512(block + j * kWordRowBytes);
+    for (int e = 0; e < kWordBytes; ++e) {
+      for (int nibble = 0; nibble < (F == kQ8_0 ? 1 : 2); ++nibble) {
+        __m512 values = _mm512_mul_ps(d, _mm512_cvtepi32_ps(quants_of<F>(word, e, nibble)));
+        if constexpr (F == kQ4_1) values = _mm512_add_ps(values, m);
+        T* row = out + (kWordBytes * j + e + 16 * nibble) * stride;
+        if (count == kGroupRows) {
+          store_rounded(row, round_lanes<T>(values));
+        } else {
+          float lanes[kGroupRows];
+          _mm512_storeu_ps(lanes, values);
+          store_lanes(lanes, count, row);
+        }
       }
     }
+  }
+}
+
+#else
+
+template <int64_t F, typename T>
+void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
+  constexpr int64_t words = F == kQ8_0 ? 8 : 4;
+  for (int64_t j = 0; j < words; ++j) {
+    uint32_t word[kGroupRows];
+    std::memcpy(word, block + j * kWordRowBytes, sizeof(word));
+    for (int e = 0; e < kWordBytes; ++e) {
+      for (int nibble = 0; nibble < (F == kQ8_0 ? 1 : 2); ++nibble) {
+        float values[kGroupRows];
+        for (int64_t r = 0; r < kGroupRows; ++r) {
+          const uint32_t bits = word[r] >> (8 * e + 4 * nibble);
+          const int32_t q = F == kQ8_0 ? static_cast<int8_t>(bits & 0xFF)
+                                       : static_cast<int32_t>(bits & 0x0F) - (F == kQ4_0 ? 8 : 0);
+          values[r] = half_to_float(scales[r]) * static_cast<float>(q);
+          if constexpr (F == kQ4_1) values[r] += half_to_float(scales[kGroupRows + r]);
+        }
+        store_lanes(values, count, out + (kWordBytes * j + e + 16 * nibble) * stride);
+      }
+    }
+  }
+}
+
+#endif
+
+// Rows [first_row, first_row + out.size(1)) of the weight, transposed into out [in_features, rows]
+// (float32 or bf16, rows contiguous); first_row a multiple of 16.
+void quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_t format, int64_t first_row,
+                      at::Tensor out) {
+  check_packed(quants, scales, format, "quant_dequantize");
+  const int64_t blocks = quants.size(1), padded_rows = quants.size(0) * kGroupRows;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == blocks * kBlock && out.stride(1) == 1 &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "quant_dequantize: out must be float32 or bf16 [", blocks * kBlock, ", rows] with rows contiguous, got ",
+              out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
+  const int64_t rows = out.size(1), stride = out.stride(0);
+  TORCH_CHECK(first_row >= 0 && first_row % kGroupRows == 0 && first_row + rows <= padded_rows,
+              "quant_dequantize: rows [", first_row, ", ", first_row + rows, ") must start at a multiple of ",
+              kGroupRows, " inside the weight");
+  const uint8_t* q = quants.const_data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
+  const int64_t scale_count = scales.size(2), group_block_bytes = quants.size(2), first_group = first_row / kGroupRows;
+  auto run = [&](auto format_tag, auto* o) {
+    constexpr int64_t F = decltype(format_tag)::value;
+    // A block's 32 rows of out at a time, left to right: whole cache lines, written once.
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t g = 0; g * kGroupRows < rows; ++g) {
+          const int64_t at = (first_group + g) * blocks + b;
+          dequantize_group_block<F>(q + at * group_block_bytes, s + at * scale_count * kGroupRows,
+                                    std::min(kGroupRows, rows - g * kGroupRows),
+                                    o + b * kBlock * stride + g * kGroupRows, stride);
+        }
+      }
+    });
+  };
+  dispatch_format(format, [&](auto format_tag) {
+    if (out.scalar_type() == at::kFloat)
+      run(format_tag, out.mutable_data_ptr<float>());
+    else
+      run(format_tag, out.mutable_data_ptr<c10::BFloat16>());
   });
-  return out;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -315,6 +419,16 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_cou
 
 #else
 
+// The integer quant of row r, element i (0..31) of a packed block, offset included: Q4_0's q - 8, Q8_0's
+// signed byte, Q4_1's q (its m is added separately).
+inline int32_t quant_at(int64_t format, const uint8_t* block, int64_t r, int64_t i) {
+  if (format == kQ8_0) return static_cast<int8_t>(block[(i / kWordBytes) * kWordRowBytes + r * kWordBytes + i % kWordBytes]);
+  const int64_t k = i % 16;
+  const uint8_t byte = block[(k / kWordBytes) * kWordRowBytes + r * kWordBytes + k % kWordBytes];
+  const int32_t q = i < 16 ? byte & 0x0F : byte >> 4;
+  return format == kQ4_0 ? q - 8 : q;
+}
+
 // Plain loops over quant_at, for CPUs with neither: the same integer dots and the same float steps.
 template <int64_t F, int MC>
 void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_count, const QuantizedActivations& a,
@@ -330,8 +444,8 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_cou
       for (int64_t r = 0; r < kGroupRows; ++r) {
         int32_t dot = 0;
         for (int64_t e = 0; e < kBlock; ++e) dot += quant_at(F, block, r, e) * x[e];
-        sums[i][r] += static_cast<float>(dot) * (half_to_float(s + r) * dx);
-        if constexpr (F == kQ4_1) sums[i][r] += half_to_float(s + kGroupRows + r) * (dx * static_cast<float>(a.sum(m0 + i, b)));
+        sums[i][r] += static_cast<float>(dot) * (half_to_float(s[r]) * dx);
+        if constexpr (F == kQ4_1) sums[i][r] += half_to_float(s[kGroupRows + r]) * (dx * static_cast<float>(a.sum(m0 + i, b)));
       }
     }
   }
@@ -362,15 +476,9 @@ static_assert(kRowsPerPass == 4, "gemv_all_rows dispatches passes of 1 to 4 rows
 
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, int64_t format,
                       int64_t out_features) {
-  const Layout layout = layout_of(format);
-  TORCH_CHECK(quants.dim() == 3 && quants.scalar_type() == at::kByte && quants.is_contiguous() &&
-                  quants.size(2) == layout.words * kWordRowBytes &&
-                  quants.size(0) == (out_features + kGroupRows - 1) / kGroupRows,
-              "quant_gemv: quants are not a packed ggml type ", format, " weight of ", out_features, " rows: ",
-              quants.sizes());
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({quants.size(0), quants.size(1), layout.raw_scales, kGroupRows}),
-              "quant_gemv: scales do not match the quants: ", scales.sizes());
+  check_packed(quants, scales, format, "quant_gemv");
+  TORCH_CHECK(quants.size(0) == (out_features + kGroupRows - 1) / kGroupRows, "quant_gemv: ", quants.size(0),
+              " groups of ", kGroupRows, " rows do not hold ", out_features, " rows");
   const int64_t in_features = quants.size(1) * kBlock;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "quant_gemv: x must be [rows, ", in_features, "], got ",
               x.sizes());
@@ -382,18 +490,17 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::T
   const uint8_t* q = quants.const_data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
   float* o = out.mutable_data_ptr<float>();
-  const int64_t group_bytes = blocks * quants.size(2), group_scales = blocks * layout.raw_scales * kGroupRows;
-  auto run = [&](auto gemv) {
+  const int64_t scale_count = scales.size(2), group_bytes = blocks * quants.size(2),
+                group_scales = blocks * scale_count * kGroupRows;
+  dispatch_format(format, [&](auto format_tag) {
+    constexpr int64_t F = decltype(format_tag)::value;
     // Grain 1: parallel_for splits the groups into one equal range per thread.
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g)
-        gemv(q + g * group_bytes, s + g * group_scales, layout.raw_scales, a, rows, g * kGroupRows,
-             std::min(kGroupRows, out_features - g * kGroupRows), out_features, o);
+        gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, scale_count, a, rows, g * kGroupRows,
+                         std::min(kGroupRows, out_features - g * kGroupRows), out_features, o);
     });
-  };
-  if (format == kQ4_0) run(gemv_all_rows<kQ4_0>);
-  if (format == kQ4_1) run(gemv_all_rows<kQ4_1>);
-  if (format == kQ8_0) run(gemv_all_rows<kQ8_0>);
+  });
   return out;
 }
 
@@ -403,8 +510,7 @@ TORCH_LIBRARY_FRAGMENT(raypage, m) {
   m.def("quant_pack(Tensor raw, int ggml_type, int out_features, int in_features) -> (Tensor, Tensor)");
   m.def("quant_gemv(Tensor x, Tensor quants, Tensor scales, int ggml_type, int out_features) -> Tensor");
   m.def(
-      "quant_dequantize(Tensor quants, Tensor scales, int ggml_type, int out_features, int first_row, int rows)"
-      " -> Tensor");
+      "quant_dequantize(Tensor quants, Tensor scales, int ggml_type, int first_row, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(raypage, CPU, m) {

@@ -42,7 +42,7 @@ FORMATS = [T.Q8_0, T.Q4_1, T.Q4_0]
 # (out, in): an output size that is no multiple of the 16-row groups, then SmolLM2-135M's MLP
 # projections and a slice of its LM head (576 -> 49152).
 SHAPES = [(67, 128), (1536, 576), (576, 1536), (2064, 576)]
-ROWS = [1, 3, GEMV_MAX_ROWS, 64]
+ROWS = [1, 3, 16, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1]
 FLOAT32_SLACK = 1e-5  # of sum |W| |x| per output
 
 
@@ -109,7 +109,7 @@ def test_int8_activations_exact_up_to_float32_order(ggml_type: T, shape: tuple[i
 
 
 @pytest.mark.parametrize("rows", [2, 64])
-def test_leading_dims_bias_and_bf16(rows: int) -> None:
+def test_leading_dims_and_bias(rows: int) -> None:
     shape = (67, 128)
     weight = packed(T.Q4_1, shape)
     x = int8_blocks(rows, shape[1], torch.Generator().manual_seed(0)).reshape(2, rows // 2, shape[1])
@@ -117,11 +117,26 @@ def test_leading_dims_bias_and_bf16(rows: int) -> None:
     out = quantized_linear(x, weight, bias)
     assert out.shape == (2, rows // 2, shape[0]) and out.dtype == torch.float32
     torch.testing.assert_close(out, quantized_linear(x, weight) + bias)
-    # bf16 activations (exactly k * 2^-5 here): the float32 result rounded once to bf16.
-    out_bf16 = quantized_linear(x.bfloat16(), weight, bias.bfloat16())
-    assert out_bf16.dtype == torch.bfloat16
-    expected = (quantized_linear(x, weight) + bias.bfloat16().float()).bfloat16()
-    torch.testing.assert_close(out_bf16, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", ROWS)
+def test_bf16_activations(ggml_type: T, rows: int) -> None:
+    """bf16 in, bf16 out. Beyond the float32 bounds, the result is rounded to bf16 (half an ulp,
+    2^-9 of it); the prefill path also multiplies by the weight rounded to bf16 panels (2^-9 of
+    each |W|)."""
+    shape = (576, 1536)
+    _, weight = gguf_weight(ggml_type, shape)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
+    out = quantized_linear(x, packed(ggml_type, shape))
+    assert out.dtype == torch.bfloat16
+    reference = x.double() @ weight.T
+    allowed = float32_bound(x, weight) + 2**-9 * reference.abs()
+    if rows <= GEMV_MAX_ROWS:
+        allowed += activation_bound(x, weight)
+    else:
+        allowed += 2**-9 * (x.double().abs() @ weight.abs().T)
+    assert ((out.double() - reference).abs() <= allowed).all()
 
 
 def test_supported_types() -> None:
