@@ -59,22 +59,36 @@ constexpr int64_t kWordBytes = 4;   // quant bytes per row that one dot-product 
 constexpr int64_t kWordRowBytes = kGroupRows * kWordBytes;
 constexpr int64_t kRowsPerPass = 4;  // activation rows that share one load of the weights' registers
 
-enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ6_K = 14 };
 
 struct Layout {
-  int64_t raw_block_bytes;  // bytes of one block in the GGUF file
-  int64_t raw_scales;       // float16 scales at the start of a raw block: d, or d and m
-  int64_t words;            // 4-byte quant words per row and block
+  int64_t raw_block_weights;  // weights of one block in the GGUF file: 32, or 256 for K-quants
+  int64_t raw_block_bytes;    // bytes of one such block
+  int64_t scales;             // float16 scales of a packed block of 32: d; d and m; Q6_K's d and two sub-scales
+  int64_t words;              // 4-byte quant words per row and packed block
 };
 
 Layout layout_of(int64_t format) {
   switch (format) {
-    case kQ4_0: return {18, 1, 4};
-    case kQ4_1: return {20, 2, 4};
-    case kQ8_0: return {34, 1, 8};
-    default: TORCH_CHECK(false, "quant_linear: unsupported ggml type ", format, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+    case kQ4_0: return {32, 18, 1, 4};
+    case kQ4_1: return {32, 20, 2, 4};
+    case kQ8_0: return {32, 34, 1, 8};
+    case kQ6_K: return {256, 210, 3, 8};
+    default:
+      TORCH_CHECK(false, "quant_linear: unsupported ggml type ", format,
+                  " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q6_K=14)");
   }
 }
+
+// Q8_0 and Q6_K keep a byte a quant (8 words a block), Q4 formats a nibble (4 words).
+template <int64_t F>
+constexpr bool kBytePerQuant = F == kQ8_0 || F == kQ6_K;
+template <int64_t F>
+constexpr int64_t kWords = kBytePerQuant<F> ? 8 : 4;
+template <int64_t F>
+constexpr int kNibbles = kBytePerQuant<F> ? 1 : 2;
+template <int64_t F>
+constexpr int64_t kScales = F == kQ4_1 ? 2 : F == kQ6_K ? 3 : 1;  // layout_of(F).scales
 
 // Calls body(std::integral_constant<int64_t, format>{}): the kernels are compiled once a format.
 template <typename Body>
@@ -83,6 +97,7 @@ void dispatch_format(int64_t format, Body body) {
     case kQ4_0: return body(std::integral_constant<int64_t, kQ4_0>{});
     case kQ4_1: return body(std::integral_constant<int64_t, kQ4_1>{});
     case kQ8_0: return body(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ6_K: return body(std::integral_constant<int64_t, kQ6_K>{});
     default: layout_of(format);  // raises, naming the type
   }
 }
@@ -95,29 +110,61 @@ void check_packed(const at::Tensor& quants, const at::Tensor& scales, int64_t fo
               op, ": quants are not a packed ggml type ", format, " weight: ", quants.scalar_type(), " ",
               quants.sizes());
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({quants.size(0), quants.size(1), layout.raw_scales, kGroupRows}),
+                  scales.sizes() == at::IntArrayRef({quants.size(0), quants.size(1), layout.scales, kGroupRows}),
               op, ": scales do not match the quants: ", scales.sizes());
 }
 
 // ---------------------------------------------------------------------------------------------------
 // Repacking
 
+// Block b (of 32 weights) of a row as the packed layout keeps it: its quant bytes in word order and
+// its float16 scales.
+struct PackedBlock {
+  uint8_t quants[kBlock];
+  uint16_t scales[3];
+};
+
+PackedBlock read_block(int64_t format, const Layout& layout, const uint8_t* row, int64_t b) {
+  PackedBlock packed{};
+  if (format != kQ6_K) {  // d (and m) first, then the quants as they are
+    const uint8_t* block = row + b * layout.raw_block_bytes;
+    std::memcpy(packed.scales, block, 2 * layout.scales);
+    std::memcpy(packed.quants, block + 2 * layout.scales, layout.words * kWordBytes);
+    return packed;
+  }
+  // Q6_K: a block of 256 is ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8 sub-scales (one per
+  // 16 weights), d. Weight k (0..255), h = k / 128, i = k % 128: ql[64h + i % 64] >> 4 (i / 64), and
+  // qh[32h + i % 32] >> 2 (i / 32). Packed as one byte 0..63 a weight; the sub-scales, small integers, are
+  // exact in float16.
+  const uint8_t* block = row + (b / 8) * layout.raw_block_bytes;
+  const uint8_t *ql = block, *qh = block + 128;
+  const int8_t* sub_scales = reinterpret_cast<const int8_t*>(block + 192);
+  for (int64_t e = 0; e < kBlock; ++e) {
+    const int64_t k = (b % 8) * kBlock + e, h = k / 128, i = k % 128;
+    const int low = (ql[64 * h + i % 64] >> (4 * (i / 64))) & 0x0F, high = (qh[32 * h + i % 32] >> (2 * (i / 32))) & 3;
+    packed.quants[e] = static_cast<uint8_t>(low | high << 4);
+  }
+  std::memcpy(packed.scales, block + 208, 2);
+  for (int half = 0; half < 2; ++half)
+    packed.scales[1 + half] = c10::Half(static_cast<float>(sub_scales[2 * (b % 8) + half])).x;
+  return packed;
+}
+
 std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t format, int64_t out_features,
                                               int64_t in_features) {
   const Layout layout = layout_of(format);
-  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0 && out_features > 0,
-              "quant_pack: in_features must be a positive multiple of ", kBlock, ", got [", out_features, ", ",
-              in_features, "]");
+  TORCH_CHECK(in_features > 0 && in_features % layout.raw_block_weights == 0 && out_features > 0,
+              "quant_pack: in_features must be a positive multiple of ", layout.raw_block_weights, ", got [",
+              out_features, ", ", in_features, "]");
   const int64_t blocks = in_features / kBlock, groups = (out_features + kGroupRows - 1) / kGroupRows;
-  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() &&
-                  raw.numel() == out_features * blocks * layout.raw_block_bytes,
-              "quant_pack: raw must be ", out_features * blocks * layout.raw_block_bytes,
-              " contiguous uint8 bytes for [", out_features, ", ", in_features, "], got ", raw.numel(), " of ",
-              raw.scalar_type());
+  const int64_t row_bytes = in_features / layout.raw_block_weights * layout.raw_block_bytes;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == out_features * row_bytes,
+              "quant_pack: raw must be ", out_features * row_bytes, " contiguous uint8 bytes for [", out_features, ", ",
+              in_features, "], got ", raw.numel(), " of ", raw.scalar_type());
   const int64_t group_block_bytes = layout.words * kWordRowBytes;
   // Zeros: the padding rows of the last group have zero scales and quants, and produce 0.
   at::Tensor quants = at::zeros({groups, blocks, group_block_bytes}, raw.options());
-  at::Tensor scales = at::zeros({groups, blocks, layout.raw_scales, kGroupRows}, raw.options().dtype(at::kHalf));
+  at::Tensor scales = at::zeros({groups, blocks, layout.scales, kGroupRows}, raw.options().dtype(at::kHalf));
   const uint8_t* src = raw.const_data_ptr<uint8_t>();
   uint8_t* dst = quants.mutable_data_ptr<uint8_t>();
   uint16_t* dst_scales = reinterpret_cast<uint16_t*>(scales.mutable_data_ptr<at::Half>());
@@ -125,16 +172,13 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t for
     for (int64_t g = begin; g < end; ++g) {
       const int64_t rows = std::min(kGroupRows, out_features - g * kGroupRows);
       for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t* row = src + (g * kGroupRows + r) * blocks * layout.raw_block_bytes;
         for (int64_t b = 0; b < blocks; ++b) {
-          const uint8_t* block = row + b * layout.raw_block_bytes;
+          const PackedBlock block = read_block(format, layout, src + (g * kGroupRows + r) * row_bytes, b);
           const int64_t at = g * blocks + b;
-          for (int64_t s = 0; s < layout.raw_scales; ++s)
-            std::memcpy(dst_scales + (at * layout.raw_scales + s) * kGroupRows + r, block + 2 * s, 2);
-          const uint8_t* qs = block + 2 * layout.raw_scales;
+          for (int64_t i = 0; i < layout.scales; ++i) dst_scales[(at * layout.scales + i) * kGroupRows + r] = block.scales[i];
           for (int64_t j = 0; j < layout.words; ++j)
-            std::memcpy(dst + at * group_block_bytes + j * kWordRowBytes + r * kWordBytes, qs + j * kWordBytes,
-                        kWordBytes);
+            std::memcpy(dst + at * group_block_bytes + j * kWordRowBytes + r * kWordBytes,
+                        block.quants + j * kWordBytes, kWordBytes);
         }
       }
     }
@@ -155,31 +199,44 @@ inline void store_lanes(const float* values, int64_t count, T* out) {
 
 // One (group, block) into rows [0, 32) of `out` (row stride `stride`), its `count` leading columns:
 // lane r is row r's weight, d * q + m as gguf.quants.dequantize computes it (a product, then a sum:
-// the build contracts no multiply-adds). Word j of a row holds quants 4j..4j+3 (Q8_0: byte e is
-// quant 4j+e) or, in nibbles, quants 4j..4j+3 and 16+4j..16+4j+3 (Q4: byte e's low nibble, then
-// its high one).
+// the build contracts no multiply-adds; Q6_K's d times its sub-scale first). Word j of a row holds
+// quants 4j..4j+3 (a byte each: byte e is quant 4j+e) or, in nibbles, quants 4j..4j+3 and
+// 16+4j..16+4j+3 (Q4: byte e's low nibble, then its high one).
+template <int64_t F>
+inline int32_t signed_quant(uint32_t bits) {  // bits: the quant in the lowest byte or nibble
+  if constexpr (F == kQ8_0) return static_cast<int8_t>(bits & 0xFF);
+  if constexpr (F == kQ6_K) return static_cast<int32_t>(bits & 0xFF) - 32;
+  return static_cast<int32_t>(bits & 0x0F) - (F == kQ4_0 ? 8 : 0);
+}
+
 #if defined(__AVX512F__)
 
 template <int64_t F>
 inline __m512i quants_of(__m512i words, int e, int nibble) {
   if constexpr (F == kQ8_0)  // byte e to the top, then back down with its sign
     return _mm512_srai_epi32(_mm512_sllv_epi32(words, _mm512_set1_epi32(24 - 8 * e)), 24);
-  const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(words, _mm512_set1_epi32(8 * e + 4 * nibble)),
-                                     _mm512_set1_epi32(0x0F));
+  const __m512i bits = _mm512_srlv_epi32(words, _mm512_set1_epi32(8 * e + 4 * nibble));
+  if constexpr (F == kQ6_K)
+    return _mm512_sub_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0xFF)), _mm512_set1_epi32(32));
+  const __m512i q = _mm512_and_si512(bits, _mm512_set1_epi32(0x0F));
   return F == kQ4_0 ? _mm512_sub_epi32(q, _mm512_set1_epi32(8)) : q;
+}
+
+inline __m512 load_halves(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 template <int64_t F, typename T>
 void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-  const __m512 m = F == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + kGroupRows)))
-                              : _mm512_setzero_ps();
-  constexpr int64_t words = F == kQ8_0 ? 8 : 4;
-  for (int64_t j = 0; j < words; ++j) {
+  const __m512 d = load_halves(scales);
+  const __m512 m = F == kQ4_1 ? load_halves(scales + kGroupRows) : _mm512_setzero_ps();
+  for (int64_t j = 0; j < kWords<F>; ++j) {
+    // Q6_K: quants 0..15 have the first sub-scale, 16..31 the second.
+    const __m512 scale = F == kQ6_K ? _mm512_mul_ps(d, load_halves(scales + (j < 4 ? 1 : 2) * kGroupRows)) : d;
     const __m512i word = _mm512_loadu_si512(block + j * kWordRowBytes);
     for (int e = 0; e < kWordBytes; ++e) {
-      for (int nibble = 0; nibble < (F == kQ8_0 ? 1 : 2); ++nibble) {
-        __m512 values = _mm512_mul_ps(d, _mm512_cvtepi32_ps(quants_of<F>(word, e, nibble)));
+      for (int nibble = 0; nibble < kNibbles<F>; ++nibble) {
+        __m512 values = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(quants_of<F>(word, e, nibble)));
         if constexpr (F == kQ4_1) values = _mm512_add_ps(values, m);
         T* row = out + (kWordBytes * j + e + 16 * nibble) * stride;
         if (count == kGroupRows) {
@@ -198,18 +255,16 @@ void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_
 
 template <int64_t F, typename T>
 void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
-  constexpr int64_t words = F == kQ8_0 ? 8 : 4;
-  for (int64_t j = 0; j < words; ++j) {
+  for (int64_t j = 0; j < kWords<F>; ++j) {
     uint32_t word[kGroupRows];
     std::memcpy(word, block + j * kWordRowBytes, sizeof(word));
     for (int e = 0; e < kWordBytes; ++e) {
-      for (int nibble = 0; nibble < (F == kQ8_0 ? 1 : 2); ++nibble) {
+      for (int nibble = 0; nibble < kNibbles<F>; ++nibble) {
         float values[kGroupRows];
         for (int64_t r = 0; r < kGroupRows; ++r) {
-          const uint32_t bits = word[r] >> (8 * e + 4 * nibble);
-          const int32_t q = F == kQ8_0 ? static_cast<int8_t>(bits & 0xFF)
-                                       : static_cast<int32_t>(bits & 0x0F) - (F == kQ4_0 ? 8 : 0);
-          values[r] = half_to_float(scales[r]) * static_cast<float>(q);
+          const float d = half_to_float(scales[r]);
+          const float scale = F == kQ6_K ? d * half_to_float(scales[(j < 4 ? 1 : 2) * kGroupRows + r]) : d;
+          values[r] = scale * static_cast<float>(signed_quant<F>(word[r] >> (8 * e + 4 * nibble)));
           if constexpr (F == kQ4_1) values[r] += half_to_float(scales[kGroupRows + r]);
         }
         store_lanes(values, count, out + (kWordBytes * j + e + 16 * nibble) * stride);
@@ -236,7 +291,7 @@ void quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_
               kGroupRows, " inside the weight");
   const uint8_t* q = quants.const_data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
-  const int64_t scale_count = scales.size(2), group_block_bytes = quants.size(2), first_group = first_row / kGroupRows;
+  const int64_t group_block_bytes = quants.size(2), first_group = first_row / kGroupRows;
   auto run = [&](auto format_tag, auto* o) {
     constexpr int64_t F = decltype(format_tag)::value;
     // A block's 32 rows of out at a time, left to right: whole cache lines, written once.
@@ -244,7 +299,7 @@ void quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t g = 0; g * kGroupRows < rows; ++g) {
           const int64_t at = (first_group + g) * blocks + b;
-          dequantize_group_block<F>(q + at * group_block_bytes, s + at * scale_count * kGroupRows,
+          dequantize_group_block<F>(q + at * group_block_bytes, s + at * kScales<F> * kGroupRows,
                                     std::min(kGroupRows, rows - g * kGroupRows),
                                     o + b * kBlock * stride + g * kGroupRows, stride);
         }
@@ -266,17 +321,19 @@ struct QuantizedActivations {
   std::vector<int8_t> quants;  // [M, in]
   std::vector<float> scales;   // [M, blocks]
   std::vector<int32_t> sums;   // [M, blocks]
+  std::vector<int32_t> low_sums;  // [M, blocks]: the sums of each block's first 16 quants
   int64_t in_features, blocks;
 
   const int8_t* block_quants(int64_t m, int64_t b) const { return quants.data() + m * in_features + b * kBlock; }
   float scale(int64_t m, int64_t b) const { return scales[m * blocks + b]; }
   int32_t sum(int64_t m, int64_t b) const { return sums[m * blocks + b]; }
+  int32_t low_sum(int64_t m, int64_t b) const { return low_sums[m * blocks + b]; }
 };
 
 QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t in_features) {
   const int64_t blocks = in_features / kBlock;
   QuantizedActivations a{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * blocks),
-                         std::vector<int32_t>(rows * blocks), in_features, blocks};
+                         std::vector<int32_t>(rows * blocks), std::vector<int32_t>(rows * blocks), in_features, blocks};
   for (int64_t i = 0; i < rows * blocks; ++i) {
     const float* src = x + i * kBlock;
     float amax = 0.f;
@@ -287,6 +344,7 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
     for (int64_t e = 0; e < kBlock; ++e) {
       q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(src[e] * inverse), -127.f, 127.f));
       sum += q[e];
+      if (e == 15) a.low_sums[i] = sum;
     }
     a.scales[i] = d;
     a.sums[i] = sum;
@@ -296,16 +354,21 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
 
 // ---------------------------------------------------------------------------------------------------
 // The decode path, one group of 16 output rows against activation rows [m0, m0 + MC)
+//
+// A block adds d_w * d_x * (integer dot) to each lane; the dot is taken as two halves of 16 quants
+// (two shorter dependency chains, and Q6_K's two sub-scales). Offsets that are constant multiples
+// of the quants' sum (Q4_0's 8, Q6_K's 32, Q8_0's 128 where it is flipped) come off in integers;
+// Q6_K's halves, times their integer sub-scales in float32, stay exact (|half dot| <= 16 * 32 * 127,
+// times |sub-scale| <= 128, both sums < 2^24).
 
 #if defined(__AVX512VNNI__)
 
-// `vpdpbusd` multiplies unsigned weight bytes by signed activation bytes, 4 a lane. Q4 quants are
-// unsigned already; Q8_0's signed ones are flipped to q + 128 (xor 0x80), and 128 * sum(q_x) is
-// subtracted from the lane's integer dot afterwards.
+// `vpdpbusd` multiplies unsigned weight bytes by signed activation bytes, 4 a lane. Q4 and Q6_K
+// quants are unsigned already; Q8_0's signed ones are flipped to q + 128 (xor 0x80).
 template <int64_t F>
 inline void load_weights(const uint8_t* block, __m512i (&w)[8]) {
-  if constexpr (F == kQ8_0) {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  if constexpr (kBytePerQuant<F>) {
+    const __m512i flip = _mm512_set1_epi8(F == kQ8_0 ? static_cast<char>(0x80) : 0);
     for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(_mm512_loadu_si512(block + j * kWordRowBytes), flip);
   } else {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -317,37 +380,43 @@ inline void load_weights(const uint8_t* block, __m512i (&w)[8]) {
   }
 }
 
-// What each activation quant's sum is multiplied by and subtracted from the integer dot.
+// What the sum of the activation quants is multiplied by and subtracted from the integer dot.
 template <int64_t F>
-constexpr int32_t kIntegerOffset = F == kQ8_0 ? 128 : F == kQ4_0 ? 8 : 0;
+constexpr int32_t kIntegerOffset = F == kQ8_0 ? 128 : F == kQ6_K ? 32 : F == kQ4_0 ? 8 : 0;
+
+// Lane r: row r's 4 weight words (16 quants) times the activation's 16 quants, less `offset`.
+inline __m512 half_dot(const __m512i* w, const int8_t* x, int32_t offset) {
+  __m512i dot = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) {
+    int32_t word;
+    std::memcpy(&word, x + j * kWordBytes, kWordBytes);
+    dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(word));
+  }
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(offset)));
+}
 
 template <int64_t F, int MC>
-void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_count, const QuantizedActivations& a,
-                int64_t m0, float (*sums)[kGroupRows]) {
-  const int64_t group_block_bytes = (F == kQ8_0 ? 8 : 4) * kWordRowBytes;
+void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
+                float (*sums)[kGroupRows]) {
   __m512 acc[MC];
   for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     __m512i w[8];
-    load_weights<F>(quants + b * group_block_bytes, w);
-    const uint16_t* s = scales + b * scale_count * kGroupRows;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    load_weights<F>(quants + b * kWords<F> * kWordRowBytes, w);
+    const uint16_t* s = scales + b * kScales<F> * kGroupRows;
+    const __m512 d = load_halves(s);
+    const __m512 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, or a sub-scale
+    const __m512 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;
     for (int i = 0; i < MC; ++i) {
       const int8_t* x = a.block_quants(m0 + i, b);
-      __m512i dot = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) {
-        int32_t word;
-        std::memcpy(&word, x + j * kWordBytes, kWordBytes);
-        dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(word));
-      }
-      if constexpr (kIntegerOffset<F> != 0)
-        dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(kIntegerOffset<F> * a.sum(m0 + i, b)));
+      const int32_t sum = a.sum(m0 + i, b), low_sum = a.low_sum(m0 + i, b);
+      const __m512 low = half_dot(w, x, kIntegerOffset<F> * low_sum);
+      const __m512 high = half_dot(w + 4, x + 16, kIntegerOffset<F> * (sum - low_sum));
+      const __m512 dot = F == kQ6_K ? _mm512_add_ps(_mm512_mul_ps(low, second), _mm512_mul_ps(high, third))
+                                    : _mm512_add_ps(low, high);
       const float dx = a.scale(m0 + i, b);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
-      if constexpr (F == kQ4_1) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kGroupRows)));
-        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(a.sum(m0 + i, b))), acc[i]);
-      }
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
+      if constexpr (F == kQ4_1) acc[i] = _mm512_fmadd_ps(second, _mm512_set1_ps(dx * static_cast<float>(sum)), acc[i]);
     }
   }
   for (int i = 0; i < MC; ++i) _mm512_storeu_ps(sums[i], acc[i]);
@@ -355,13 +424,14 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_cou
 
 #elif defined(__AVX2__)
 
-// `vpmaddubsw` multiplies unsigned by signed bytes into saturating int16 pairs: fine for Q4's 0..15,
-// not for Q8_0 flipped to 0..255, so Q8_0 takes the sign trick instead: |q_w| times q_x with q_w's
-// sign, at most 2 * 128 * 127 a pair. 8 int32 lanes a vector: a group is two halves of 8 rows.
+// `vpmaddubsw` multiplies unsigned by signed bytes into saturating int16 pairs: fine for Q4's 0..15
+// and Q6_K's 0..63, not for Q8_0 flipped to 0..255, so Q8_0 takes the sign trick instead: |q_w|
+// times q_x with q_w's sign, at most 2 * 128 * 127 a pair. 8 int32 lanes a vector: a group is two
+// halves of 8 rows.
 template <int64_t F>
 inline void load_weights(const uint8_t* block, int half, __m256i (&w)[8]) {
   const uint8_t* p = block + half * 32;
-  if constexpr (F == kQ8_0) {
+  if constexpr (kBytePerQuant<F>) {
     for (int j = 0; j < 8; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * kWordRowBytes));
   } else {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -374,43 +444,50 @@ inline void load_weights(const uint8_t* block, int half, __m256i (&w)[8]) {
 }
 
 template <int64_t F>
-constexpr int32_t kIntegerOffset = F == kQ4_0 ? 8 : 0;
+constexpr int32_t kIntegerOffset = F == kQ6_K ? 32 : F == kQ4_0 ? 8 : 0;
 
 template <int64_t F>
-inline __m256i dot_word(__m256i acc, __m256i w, __m256i x) {
-  const __m256i pairs = F == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
-                                   : _mm256_maddubs_epi16(w, x);
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+inline __m256 half_dot(const __m256i* w, const int8_t* x, int32_t offset) {
+  __m256i dot = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    int32_t word;
+    std::memcpy(&word, x + j * kWordBytes, kWordBytes);
+    const __m256i xs = _mm256_set1_epi32(word);
+    const __m256i pairs = F == kQ8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(xs, w[j]))
+                                     : _mm256_maddubs_epi16(w[j], xs);
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(offset)));
+}
+
+inline __m256 load_halves(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 template <int64_t F, int MC>
-void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_count, const QuantizedActivations& a,
-                int64_t m0, float (*sums)[kGroupRows]) {
-  const int64_t group_block_bytes = (F == kQ8_0 ? 8 : 4) * kWordRowBytes;
+void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
+                float (*sums)[kGroupRows]) {
   for (int half = 0; half < 2; ++half) {
     __m256 acc[MC];
     for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.blocks; ++b) {
       __m256i w[8];
-      load_weights<F>(quants + b * group_block_bytes, half, w);
-      const uint16_t* s = scales + b * scale_count * kGroupRows + half * 8;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      load_weights<F>(quants + b * kWords<F> * kWordRowBytes, half, w);
+      const uint16_t* s = scales + b * kScales<F> * kGroupRows + half * 8;
+      const __m256 d = load_halves(s);
+      const __m256 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, or a sub-scale
+      const __m256 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;
       for (int i = 0; i < MC; ++i) {
         const int8_t* x = a.block_quants(m0 + i, b);
-        __m256i dot = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          int32_t word;
-          std::memcpy(&word, x + j * kWordBytes, kWordBytes);
-          dot = dot_word<F>(dot, w[j], _mm256_set1_epi32(word));
-        }
-        if constexpr (kIntegerOffset<F> != 0)
-          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kIntegerOffset<F> * a.sum(m0 + i, b)));
+        const int32_t sum = a.sum(m0 + i, b), low_sum = a.low_sum(m0 + i, b);
+        const __m256 low = half_dot<F>(w, x, kIntegerOffset<F> * low_sum);
+        const __m256 high = half_dot<F>(w + 4, x + 16, kIntegerOffset<F> * (sum - low_sum));
+        const __m256 dot = F == kQ6_K ? _mm256_add_ps(_mm256_mul_ps(low, second), _mm256_mul_ps(high, third))
+                                      : _mm256_add_ps(low, high);
         const float dx = a.scale(m0 + i, b);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[i]);
-        if constexpr (F == kQ4_1) {
-          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kGroupRows)));
-          acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * static_cast<float>(a.sum(m0 + i, b))), acc[i]);
-        }
+        acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[i]);
+        if constexpr (F == kQ4_1)
+          acc[i] = _mm256_fmadd_ps(second, _mm256_set1_ps(dx * static_cast<float>(sum)), acc[i]);
       }
     }
     for (int i = 0; i < MC; ++i) _mm256_storeu_ps(sums[i] + half * 8, acc[i]);
@@ -419,33 +496,33 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_cou
 
 #else
 
-// The integer quant of row r, element i (0..31) of a packed block, offset included: Q4_0's q - 8, Q8_0's
-// signed byte, Q4_1's q (its m is added separately).
-inline int32_t quant_at(int64_t format, const uint8_t* block, int64_t r, int64_t i) {
-  if (format == kQ8_0) return static_cast<int8_t>(block[(i / kWordBytes) * kWordRowBytes + r * kWordBytes + i % kWordBytes]);
-  const int64_t k = i % 16;
-  const uint8_t byte = block[(k / kWordBytes) * kWordRowBytes + r * kWordBytes + k % kWordBytes];
-  const int32_t q = i < 16 ? byte & 0x0F : byte >> 4;
-  return format == kQ4_0 ? q - 8 : q;
+// Quant i (0..31) of row r of a packed block, its offset subtracted (Q4_1's m is added apart).
+template <int64_t F>
+inline int32_t quant_at(const uint8_t* block, int64_t r, int64_t i) {
+  const int64_t k = kBytePerQuant<F> ? i : i % 16, nibble = kBytePerQuant<F> ? 0 : i / 16;
+  return signed_quant<F>(block[(k / kWordBytes) * kWordRowBytes + r * kWordBytes + k % kWordBytes] >> (4 * nibble));
 }
 
 // Plain loops over quant_at, for CPUs with neither: the same integer dots and the same float steps.
 template <int64_t F, int MC>
-void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_count, const QuantizedActivations& a,
-                int64_t m0, float (*sums)[kGroupRows]) {
-  const int64_t group_block_bytes = (F == kQ8_0 ? 8 : 4) * kWordRowBytes;
+void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
+                float (*sums)[kGroupRows]) {
   for (int i = 0; i < MC; ++i) std::fill(sums[i], sums[i] + kGroupRows, 0.f);
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* block = quants + b * group_block_bytes;
-    const uint16_t* s = scales + b * scale_count * kGroupRows;
+    const uint8_t* block = quants + b * kWords<F> * kWordRowBytes;
+    const uint16_t* s = scales + b * kScales<F> * kGroupRows;
     for (int i = 0; i < MC; ++i) {
       const int8_t* x = a.block_quants(m0 + i, b);
       const float dx = a.scale(m0 + i, b);
       for (int64_t r = 0; r < kGroupRows; ++r) {
-        int32_t dot = 0;
-        for (int64_t e = 0; e < kBlock; ++e) dot += quant_at(F, block, r, e) * x[e];
-        sums[i][r] += static_cast<float>(dot) * (half_to_float(s[r]) * dx);
-        if constexpr (F == kQ4_1) sums[i][r] += half_to_float(s[kGroupRows + r]) * (dx * static_cast<float>(a.sum(m0 + i, b)));
+        int32_t halves[2] = {0, 0};
+        for (int64_t e = 0; e < kBlock; ++e) halves[e / 16] += quant_at<F>(block, r, e) * x[e];
+        const float low = static_cast<float>(halves[0]), high = static_cast<float>(halves[1]);
+        const float dot = F == kQ6_K ? low * half_to_float(s[kGroupRows + r]) + high * half_to_float(s[2 * kGroupRows + r])
+                                     : low + high;
+        sums[i][r] += dot * (half_to_float(s[r]) * dx);
+        if constexpr (F == kQ4_1)
+          sums[i][r] += half_to_float(s[kGroupRows + r]) * (dx * static_cast<float>(a.sum(m0 + i, b)));
       }
     }
   }
@@ -456,16 +533,16 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, int64_t scale_cou
 // All activation rows against one group, kRowsPerPass rows per pass over the group's weights (which
 // stay in L1/L2 after the first pass: memory is read once a call).
 template <int64_t F>
-void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, int64_t scale_count, const QuantizedActivations& a,
+void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a,
                    int64_t rows, int64_t first_out, int64_t valid_out, int64_t out_features, float* out) {
   float sums[kRowsPerPass][kGroupRows];
   for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
     const int64_t count = std::min(kRowsPerPass, rows - m0);
     switch (count) {
-      case 1: gemv_group<F, 1>(quants, scales, scale_count, a, m0, sums); break;
-      case 2: gemv_group<F, 2>(quants, scales, scale_count, a, m0, sums); break;
-      case 3: gemv_group<F, 3>(quants, scales, scale_count, a, m0, sums); break;
-      default: gemv_group<F, 4>(quants, scales, scale_count, a, m0, sums); break;
+      case 1: gemv_group<F, 1>(quants, scales, a, m0, sums); break;
+      case 2: gemv_group<F, 2>(quants, scales, a, m0, sums); break;
+      case 3: gemv_group<F, 3>(quants, scales, a, m0, sums); break;
+      default: gemv_group<F, 4>(quants, scales, a, m0, sums); break;
     }
     for (int64_t i = 0; i < count; ++i)
       std::memcpy(out + (m0 + i) * out_features + first_out, sums[i], valid_out * sizeof(float));
@@ -490,14 +567,13 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::T
   const uint8_t* q = quants.const_data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
   float* o = out.mutable_data_ptr<float>();
-  const int64_t scale_count = scales.size(2), group_bytes = blocks * quants.size(2),
-                group_scales = blocks * scale_count * kGroupRows;
+  const int64_t group_bytes = blocks * quants.size(2), group_scales = blocks * scales.size(2) * kGroupRows;
   dispatch_format(format, [&](auto format_tag) {
     constexpr int64_t F = decltype(format_tag)::value;
     // Grain 1: parallel_for splits the groups into one equal range per thread.
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g)
-        gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, scale_count, a, rows, g * kGroupRows,
+        gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, a, rows, g * kGroupRows,
                          std::min(kGroupRows, out_features - g * kGroupRows), out_features, o);
     });
   });

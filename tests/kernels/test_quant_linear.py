@@ -38,10 +38,10 @@ pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here"
 )
 
-FORMATS = [T.Q8_0, T.Q4_1, T.Q4_0]
+FORMATS = [T.Q8_0, T.Q4_1, T.Q4_0, T.Q6_K]
 # (out, in): an output size that is no multiple of the 16-row groups, then SmolLM2-135M's MLP
-# projections and a slice of its LM head (576 -> 49152).
-SHAPES = [(67, 128), (1536, 576), (576, 1536), (2064, 576)]
+# projections and a slice of its LM head (576 -> 49152); every input size whole blocks of 256 (Q6_K).
+SHAPES = [(67, 256), (1536, 768), (576, 1536), (2064, 512)]
 ROWS = [1, 3, 16, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1]
 FLOAT32_SLACK = 1e-5  # of sum |W| |x| per output
 
@@ -50,8 +50,20 @@ FLOAT32_SLACK = 1e-5  # of sum |W| |x| per output
 def gguf_weight(ggml_type: T, shape: tuple[int, int]) -> tuple[np.ndarray, torch.Tensor]:
     """(raw GGUF blocks, their dequantized float64 values) of a random weight."""
     rng = np.random.default_rng(hash((int(ggml_type), shape)) % 2**32)
-    raw = gguf_quants.quantize(rng.standard_normal(shape, dtype=np.float32), ggml_type)
+    if ggml_type == T.Q6_K:
+        raw = random_q6_k(rng, shape)
+    else:
+        raw = gguf_quants.quantize(rng.standard_normal(shape, dtype=np.float32), ggml_type)
     return raw, torch.from_numpy(gguf_quants.dequantize(raw, ggml_type)).double()
+
+
+def random_q6_k(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+    """Q6_K blocks of random quants and sub-scales (gguf has no Q6_K quantizer): every byte but the
+    float16 d at the end of each block of 210 is valid as it comes; d is set to about 1 / (32 * 64)."""
+    blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, 210), dtype=np.uint8)
+    d = rng.uniform(0.5, 1.0, blocks.shape[:2]).astype(np.float16) / np.float16(2048)
+    blocks[..., 208:] = d.view(np.uint8).reshape(*d.shape, 2)
+    return blocks.reshape(shape[0], -1)
 
 
 def packed(ggml_type: T, shape: tuple[int, int]):
@@ -110,7 +122,7 @@ def test_int8_activations_exact_up_to_float32_order(ggml_type: T, shape: tuple[i
 
 @pytest.mark.parametrize("rows", [2, 64])
 def test_leading_dims_and_bias(rows: int) -> None:
-    shape = (67, 128)
+    shape = (67, 256)
     weight = packed(T.Q4_1, shape)
     x = int8_blocks(rows, shape[1], torch.Generator().manual_seed(0)).reshape(2, rows // 2, shape[1])
     bias = torch.randn(shape[0])
@@ -140,26 +152,36 @@ def test_bf16_activations(ggml_type: T, rows: int) -> None:
 
 
 def test_supported_types() -> None:
-    assert supported_ggml_types() == {int(T.Q4_0): "Q4_0", int(T.Q4_1): "Q4_1", int(T.Q8_0): "Q8_0"}
+    assert supported_ggml_types() == {
+        int(T.Q4_0): "Q4_0",
+        int(T.Q4_1): "Q4_1",
+        int(T.Q8_0): "Q8_0",
+        int(T.Q6_K): "Q6_K",
+    }
 
 
-@pytest.mark.parametrize("ggml_type", [T.F16, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.F16, T.Q5_K], ids=lambda t: t.name)
 def test_unsupported_type_is_named(ggml_type: T) -> None:
     with pytest.raises(ValueError, match=f"ggml type {int(ggml_type)} has no quantized CPU kernel"):
         pack_gguf_weight(torch.zeros(64, dtype=torch.uint8), int(ggml_type), (1, 32))
 
 
-def test_input_size_not_whole_blocks() -> None:
-    with pytest.raises(ValueError, match=r"Q8_0 weight of shape \(4, 48\).*multiple of the block size 32"):
-        pack_gguf_weight(torch.zeros(4 * 51, dtype=torch.uint8), int(T.Q8_0), (4, 48))
+@pytest.mark.parametrize(("ggml_type", "in_features"), [(T.Q8_0, 48), (T.Q6_K, 128)], ids=["Q8_0", "Q6_K"])
+def test_input_size_not_whole_blocks(ggml_type: T, in_features: int) -> None:
+    block_size = 256 if ggml_type == T.Q6_K else 32
+    with pytest.raises(
+        ValueError,
+        match=rf"{ggml_type.name} weight of shape \(4, {in_features}\).*multiple of the block size {block_size}",
+    ):
+        pack_gguf_weight(torch.zeros(4 * 51, dtype=torch.uint8), int(ggml_type), (4, in_features))
 
 
 def test_bytes_not_matching_the_shape() -> None:
-    raw, _ = gguf_weight(T.Q4_1, (67, 128))
-    with pytest.raises(ValueError, match="takes 5360 uint8 bytes, got 5340"):
-        pack_gguf_weight(torch.from_numpy(raw).view(-1)[:-20], int(T.Q4_1), (67, 128))
+    raw, _ = gguf_weight(T.Q4_1, (67, 256))
+    with pytest.raises(ValueError, match="takes 10720 uint8 bytes, got 10700"):
+        pack_gguf_weight(torch.from_numpy(raw).view(-1)[:-20], int(T.Q4_1), (67, 256))
 
 
 def test_activation_size_mismatch() -> None:
-    with pytest.raises(ValueError, match="x ends in 96 features, the weight takes 128"):
-        quantized_linear(torch.zeros(1, 96), packed(T.Q8_0, (67, 128)))
+    with pytest.raises(ValueError, match="x ends in 96 features, the weight takes 256"):
+        quantized_linear(torch.zeros(1, 96), packed(T.Q8_0, (67, 256)))
