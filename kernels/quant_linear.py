@@ -1,13 +1,14 @@
 """Linear layers computed from GGUF quantized weights as they are, on the CPU (kernels/csrc/quant_linear.cpp).
 
 A GGUF model's weights are blocks of 32 small integers with a float16 scale (and for Q4_1 a float16
-minimum; Q6_K: 256 with a float16 scale and an int8 sub-scale per 16). Widening them to bf16 at load costs 3.5x the memory of Q4_1 and, as decoding is bound by
+minimum; K-quants: 256 with a float16 scale, and 6- or 8-bit sub-scales and mins). Widening them to bf16 at load costs 3.5x the memory of Q4_1 and, as decoding is bound by
 the weight bytes each step reads, about as much time. Here they stay quantized:
 
 - `pack_gguf_weight` repacks a weight's blocks once at load, 16 output rows interleaved so that one
   vector instruction multiplies 4 quants of 16 rows by 4 activation values (the C++ file describes
-  the layout); it takes as many bytes as the file (Q6_K, for now, a byte a weight: 1.19 bytes a
-  weight where the file has 0.82).
+  the layout); it takes as many bytes as the file, but for K-quants, whose scales it keeps per
+  block of 32 (and Q5_K's and Q6_K's quants a byte each, for now): Q4_K 0.75 bytes a weight where
+  the file has 0.56, Q5_K 1.25 for 0.69, Q6_K 1.19 for 0.82.
 - `quantized_linear` multiplies by it. Up to `GEMV_MAX_ROWS` rows (decoding, small prefills) the
   activations are quantized to int8 per block of 32 with a float32 scale, as llama.cpp does, and
   every output is a sum of exact integer dot products times the two scales: the weight is streamed
@@ -29,7 +30,14 @@ from kernels.build import cpu_kernels_available
 
 # ggml's type ids (gguf.GGMLQuantizationType) of the formats the kernels read, and their block sizes:
 # (weights per block, bytes per block).
-_FORMATS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q6_K": (14, 256, 210)}
+_FORMATS = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
 _NAMES = {ggml_type: name for name, (ggml_type, _, _) in _FORMATS.items()}
 # Rows up to which the int8 dot-product kernel is faster than bf16 panels and torch's matmul: on a
 # Xeon with AVX512-VNNI and AMX, two threads, 2048 -> 2048, they break even at 128 rows (GEMV 2.4 ms,

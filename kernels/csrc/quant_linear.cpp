@@ -59,12 +59,12 @@ constexpr int64_t kWordBytes = 4;   // quant bytes per row that one dot-product 
 constexpr int64_t kWordRowBytes = kGroupRows * kWordBytes;
 constexpr int64_t kRowsPerPass = 4;  // activation rows that share one load of the weights' registers
 
-enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ6_K = 14 };
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 struct Layout {
   int64_t raw_block_weights;  // weights of one block in the GGUF file: 32, or 256 for K-quants
   int64_t raw_block_bytes;    // bytes of one such block
-  int64_t scales;             // float16 scales of a packed block of 32: d; d and m; Q6_K's d and two sub-scales
+  int64_t scales;  // float16 scales of a packed block of 32: d; d and m; Q6_K's d and two sub-scales; d, sc, dmin, m
   int64_t words;              // 4-byte quant words per row and packed block
 };
 
@@ -73,22 +73,33 @@ Layout layout_of(int64_t format) {
     case kQ4_0: return {32, 18, 1, 4};
     case kQ4_1: return {32, 20, 2, 4};
     case kQ8_0: return {32, 34, 1, 8};
+    case kQ4_K: return {256, 144, 4, 4};
+    case kQ5_K: return {256, 176, 4, 8};
     case kQ6_K: return {256, 210, 3, 8};
     default:
       TORCH_CHECK(false, "quant_linear: unsupported ggml type ", format,
-                  " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q6_K=14)");
+                  " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
   }
 }
 
 // Q8_0 and Q6_K keep a byte a quant (8 words a block), Q4 formats a nibble (4 words).
 template <int64_t F>
-constexpr bool kBytePerQuant = F == kQ8_0 || F == kQ6_K;
+constexpr bool kBytePerQuant = F == kQ8_0 || F == kQ5_K || F == kQ6_K;
 template <int64_t F>
 constexpr int64_t kWords = kBytePerQuant<F> ? 8 : 4;
 template <int64_t F>
 constexpr int kNibbles = kBytePerQuant<F> ? 1 : 2;
 template <int64_t F>
-constexpr int64_t kScales = F == kQ4_1 ? 2 : F == kQ6_K ? 3 : 1;  // layout_of(F).scales
+constexpr int64_t kScales = F == kQ4_1 ? 2 : F == kQ6_K ? 3 : F == kQ4_K || F == kQ5_K ? 4 : 1;  // layout_of(F).scales
+// Q4_K and Q5_K: weights (d * sc) * q - dmin * m, sc and m 6-bit integers per block of 32.
+template <int64_t F>
+constexpr bool kScaledMin = F == kQ4_K || F == kQ5_K;
+// Formats whose weights add a min per block (Q4_1's m, the K-quants' -dmin * m) to d * q.
+template <int64_t F>
+constexpr bool kHasMin = F == kQ4_1 || kScaledMin<F>;
+// What is subtracted from the unsigned quants the packed layout keeps (Q8_0's are signed).
+template <int64_t F>
+constexpr int32_t kQuantOffset = F == kQ4_0 ? 8 : F == kQ6_K ? 32 : 0;
 
 // Calls body(std::integral_constant<int64_t, format>{}): the kernels are compiled once a format.
 template <typename Body>
@@ -97,6 +108,8 @@ void dispatch_format(int64_t format, Body body) {
     case kQ4_0: return body(std::integral_constant<int64_t, kQ4_0>{});
     case kQ4_1: return body(std::integral_constant<int64_t, kQ4_1>{});
     case kQ8_0: return body(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return body(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return body(std::integral_constant<int64_t, kQ5_K>{});
     case kQ6_K: return body(std::integral_constant<int64_t, kQ6_K>{});
     default: layout_of(format);  // raises, naming the type
   }
@@ -121,32 +134,62 @@ void check_packed(const at::Tensor& quants, const at::Tensor& scales, int64_t fo
 // its float16 scales.
 struct PackedBlock {
   uint8_t quants[kBlock];
-  uint16_t scales[3];
+  uint16_t scales[4];
 };
+
+inline uint16_t half_bits(float x) { return c10::Half(x).x; }
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K or Q5_K block, from its 12 packed bytes.
+std::pair<int, int> k_scale_min(const uint8_t* packed, int64_t j) {
+  if (j < 4) return {packed[j] & 63, packed[j + 4] & 63};
+  return {(packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4), (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4)};
+}
+
+// The quants of sub-block j of a K-quant block of 256, unsigned, and its scales: Q6_K's d and two
+// sub-scales, or the d, sc, dmin, m of Q4_K and Q5_K (small integers, exact in float16).
+void read_k_block(int64_t format, const uint8_t* block, int64_t j, uint8_t* q, uint16_t* scales) {
+  if (format == kQ6_K) {
+    // ql[128] (low 4 bits), qh[64] (high 2), 16 int8 sub-scales (one per 16 weights), d. Weight
+    // k = 32j + e, h = k / 128, i = k % 128: ql[64h + i % 64] >> 4 (i / 64) and qh[32h + i % 32] >> 2 (i / 32).
+    const uint8_t *ql = block, *qh = block + 128;
+    for (int64_t e = 0; e < kBlock; ++e) {
+      const int64_t k = j * kBlock + e, h = k / 128, i = k % 128;
+      q[e] = ((ql[64 * h + i % 64] >> (4 * (i / 64))) & 0x0F) | ((qh[32 * h + i % 32] >> (2 * (i / 32))) & 3) << 4;
+    }
+    std::memcpy(scales, block + 208, 2);
+    const int8_t* sub_scales = reinterpret_cast<const int8_t*>(block + 192);
+    for (int half = 0; half < 2; ++half) scales[1 + half] = half_bits(sub_scales[2 * j + half]);
+    return;
+  }
+  // Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, qs[128]: weight e of sub-block j in the low
+  // (j even) or high nibble of qs[32 (j / 2) + e]. Q5_K: qh[32] before qs, bit j of qh[e] its fifth bit.
+  const uint8_t* qs = block + (format == kQ5_K ? 48 : 16);
+  for (int64_t e = 0; e < kBlock; ++e) {
+    q[e] = (qs[kBlock * (j / 2) + e] >> (4 * (j % 2))) & 0x0F;
+    if (format == kQ5_K) q[e] |= ((block[16 + e] >> j) & 1) << 4;
+  }
+  const auto [scale, min] = k_scale_min(block + 4, j);
+  std::memcpy(scales, block, 2);
+  scales[1] = half_bits(static_cast<float>(scale));
+  std::memcpy(scales + 2, block + 2, 2);
+  scales[3] = half_bits(static_cast<float>(min));
+}
 
 PackedBlock read_block(int64_t format, const Layout& layout, const uint8_t* row, int64_t b) {
   PackedBlock packed{};
-  if (format != kQ6_K) {  // d (and m) first, then the quants as they are
+  if (layout.raw_block_weights == kBlock) {  // d (and m) first, then the quants as they are
     const uint8_t* block = row + b * layout.raw_block_bytes;
     std::memcpy(packed.scales, block, 2 * layout.scales);
     std::memcpy(packed.quants, block + 2 * layout.scales, layout.words * kWordBytes);
     return packed;
   }
-  // Q6_K: a block of 256 is ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8 sub-scales (one per
-  // 16 weights), d. Weight k (0..255), h = k / 128, i = k % 128: ql[64h + i % 64] >> 4 (i / 64), and
-  // qh[32h + i % 32] >> 2 (i / 32). Packed as one byte 0..63 a weight; the sub-scales, small integers, are
-  // exact in float16.
-  const uint8_t* block = row + (b / 8) * layout.raw_block_bytes;
-  const uint8_t *ql = block, *qh = block + 128;
-  const int8_t* sub_scales = reinterpret_cast<const int8_t*>(block + 192);
-  for (int64_t e = 0; e < kBlock; ++e) {
-    const int64_t k = (b % 8) * kBlock + e, h = k / 128, i = k % 128;
-    const int low = (ql[64 * h + i % 64] >> (4 * (i / 64))) & 0x0F, high = (qh[32 * h + i % 32] >> (2 * (i / 32))) & 3;
-    packed.quants[e] = static_cast<uint8_t>(low | high << 4);
+  uint8_t q[kBlock];
+  read_k_block(format, row + (b / 8) * layout.raw_block_bytes, b % 8, q, packed.scales);
+  if (layout.words == 8) {
+    std::memcpy(packed.quants, q, kBlock);
+  } else {  // nibbles as GGUF's 32-blocks have them: byte e holds weights e and 16 + e
+    for (int64_t e = 0; e < 16; ++e) packed.quants[e] = q[e] | q[16 + e] << 4;
   }
-  std::memcpy(packed.scales, block + 208, 2);
-  for (int half = 0; half < 2; ++half)
-    packed.scales[1 + half] = c10::Half(static_cast<float>(sub_scales[2 * (b % 8) + half])).x;
   return packed;
 }
 
@@ -199,14 +242,14 @@ inline void store_lanes(const float* values, int64_t count, T* out) {
 
 // One (group, block) into rows [0, 32) of `out` (row stride `stride`), its `count` leading columns:
 // lane r is row r's weight, d * q + m as gguf.quants.dequantize computes it (a product, then a sum:
-// the build contracts no multiply-adds; Q6_K's d times its sub-scale first). Word j of a row holds
+// the build contracts no multiply-adds; d times Q6_K's sub-scale or the K-quants' sc first, and
+// dmin * m subtracted). Word j of a row holds
 // quants 4j..4j+3 (a byte each: byte e is quant 4j+e) or, in nibbles, quants 4j..4j+3 and
 // 16+4j..16+4j+3 (Q4: byte e's low nibble, then its high one).
 template <int64_t F>
 inline int32_t signed_quant(uint32_t bits) {  // bits: the quant in the lowest byte or nibble
   if constexpr (F == kQ8_0) return static_cast<int8_t>(bits & 0xFF);
-  if constexpr (F == kQ6_K) return static_cast<int32_t>(bits & 0xFF) - 32;
-  return static_cast<int32_t>(bits & 0x0F) - (F == kQ4_0 ? 8 : 0);
+  return static_cast<int32_t>(bits & (kBytePerQuant<F> ? 0xFF : 0x0F)) - kQuantOffset<F>;
 }
 
 #if defined(__AVX512F__)
@@ -216,10 +259,8 @@ inline __m512i quants_of(__m512i words, int e, int nibble) {
   if constexpr (F == kQ8_0)  // byte e to the top, then back down with its sign
     return _mm512_srai_epi32(_mm512_sllv_epi32(words, _mm512_set1_epi32(24 - 8 * e)), 24);
   const __m512i bits = _mm512_srlv_epi32(words, _mm512_set1_epi32(8 * e + 4 * nibble));
-  if constexpr (F == kQ6_K)
-    return _mm512_sub_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0xFF)), _mm512_set1_epi32(32));
-  const __m512i q = _mm512_and_si512(bits, _mm512_set1_epi32(0x0F));
-  return F == kQ4_0 ? _mm512_sub_epi32(q, _mm512_set1_epi32(8)) : q;
+  const __m512i q = _mm512_and_si512(bits, _mm512_set1_epi32(kBytePerQuant<F> ? 0xFF : 0x0F));
+  return kQuantOffset<F> ? _mm512_sub_epi32(q, _mm512_set1_epi32(kQuantOffset<F>)) : q;
 }
 
 inline __m512 load_halves(const uint16_t* p) {
@@ -229,15 +270,20 @@ inline __m512 load_halves(const uint16_t* p) {
 template <int64_t F, typename T>
 void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
   const __m512 d = load_halves(scales);
-  const __m512 m = F == kQ4_1 ? load_halves(scales + kGroupRows) : _mm512_setzero_ps();
+  const __m512 block_scale = kScaledMin<F> ? _mm512_mul_ps(d, load_halves(scales + kGroupRows)) : d;
+  const __m512 m = F == kQ4_1      ? load_halves(scales + kGroupRows)
+                   : kScaledMin<F> ? _mm512_mul_ps(load_halves(scales + 2 * kGroupRows), load_halves(scales + 3 * kGroupRows))
+                                   : _mm512_setzero_ps();
   for (int64_t j = 0; j < kWords<F>; ++j) {
     // Q6_K: quants 0..15 have the first sub-scale, 16..31 the second.
-    const __m512 scale = F == kQ6_K ? _mm512_mul_ps(d, load_halves(scales + (j < 4 ? 1 : 2) * kGroupRows)) : d;
+    const __m512 scale =
+        F == kQ6_K ? _mm512_mul_ps(d, load_halves(scales + (j < 4 ? 1 : 2) * kGroupRows)) : block_scale;
     const __m512i word = _mm512_loadu_si512(block + j * kWordRowBytes);
     for (int e = 0; e < kWordBytes; ++e) {
       for (int nibble = 0; nibble < kNibbles<F>; ++nibble) {
         __m512 values = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(quants_of<F>(word, e, nibble)));
         if constexpr (F == kQ4_1) values = _mm512_add_ps(values, m);
+        if constexpr (kScaledMin<F>) values = _mm512_sub_ps(values, m);
         T* row = out + (kWordBytes * j + e + 16 * nibble) * stride;
         if (count == kGroupRows) {
           store_rounded(row, round_lanes<T>(values));
@@ -263,9 +309,13 @@ void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_
         float values[kGroupRows];
         for (int64_t r = 0; r < kGroupRows; ++r) {
           const float d = half_to_float(scales[r]);
-          const float scale = F == kQ6_K ? d * half_to_float(scales[(j < 4 ? 1 : 2) * kGroupRows + r]) : d;
+          const float scale = F == kQ6_K      ? d * half_to_float(scales[(j < 4 ? 1 : 2) * kGroupRows + r])
+                              : kScaledMin<F> ? d * half_to_float(scales[kGroupRows + r])
+                                              : d;
           values[r] = scale * static_cast<float>(signed_quant<F>(word[r] >> (8 * e + 4 * nibble)));
           if constexpr (F == kQ4_1) values[r] += half_to_float(scales[kGroupRows + r]);
+          if constexpr (kScaledMin<F>)
+            values[r] -= half_to_float(scales[2 * kGroupRows + r]) * half_to_float(scales[3 * kGroupRows + r]);
         }
         store_lanes(values, count, out + (kWordBytes * j + e + 16 * nibble) * stride);
       }
@@ -382,7 +432,7 @@ inline void load_weights(const uint8_t* block, __m512i (&w)[8]) {
 
 // What the sum of the activation quants is multiplied by and subtracted from the integer dot.
 template <int64_t F>
-constexpr int32_t kIntegerOffset = F == kQ8_0 ? 128 : F == kQ6_K ? 32 : F == kQ4_0 ? 8 : 0;
+constexpr int32_t kIntegerOffset = F == kQ8_0 ? 128 : kQuantOffset<F>;
 
 // Lane r: row r's 4 weight words (16 quants) times the activation's 16 quants, less `offset`.
 inline __m512 half_dot(const __m512i* w, const int8_t* x, int32_t offset) {
@@ -405,8 +455,12 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
     load_weights<F>(quants + b * kWords<F> * kWordRowBytes, w);
     const uint16_t* s = scales + b * kScales<F> * kGroupRows;
     const __m512 d = load_halves(s);
-    const __m512 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, or a sub-scale
-    const __m512 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;
+    const __m512 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, a sub-scale, or sc
+    const __m512 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;  // a sub-scale, or dmin
+    const __m512 scale = kScaledMin<F> ? _mm512_mul_ps(d, second) : d;
+    const __m512 min =
+        kScaledMin<F> ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(third, load_halves(s + 3 * kGroupRows)))
+                      : second;
     for (int i = 0; i < MC; ++i) {
       const int8_t* x = a.block_quants(m0 + i, b);
       const int32_t sum = a.sum(m0 + i, b), low_sum = a.low_sum(m0 + i, b);
@@ -415,8 +469,8 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
       const __m512 dot = F == kQ6_K ? _mm512_add_ps(_mm512_mul_ps(low, second), _mm512_mul_ps(high, third))
                                     : _mm512_add_ps(low, high);
       const float dx = a.scale(m0 + i, b);
-      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
-      if constexpr (F == kQ4_1) acc[i] = _mm512_fmadd_ps(second, _mm512_set1_ps(dx * static_cast<float>(sum)), acc[i]);
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(dx)), acc[i]);
+      if constexpr (kHasMin<F>) acc[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx * static_cast<float>(sum)), acc[i]);
     }
   }
   for (int i = 0; i < MC; ++i) _mm512_storeu_ps(sums[i], acc[i]);
@@ -444,7 +498,7 @@ inline void load_weights(const uint8_t* block, int half, __m256i (&w)[8]) {
 }
 
 template <int64_t F>
-constexpr int32_t kIntegerOffset = F == kQ6_K ? 32 : F == kQ4_0 ? 8 : 0;
+constexpr int32_t kIntegerOffset = kQuantOffset<F>;
 
 template <int64_t F>
 inline __m256 half_dot(const __m256i* w, const int8_t* x, int32_t offset) {
@@ -475,8 +529,12 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
       load_weights<F>(quants + b * kWords<F> * kWordRowBytes, half, w);
       const uint16_t* s = scales + b * kScales<F> * kGroupRows + half * 8;
       const __m256 d = load_halves(s);
-      const __m256 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, or a sub-scale
-      const __m256 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;
+      const __m256 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, a sub-scale, or sc
+      const __m256 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;  // a sub-scale, or dmin
+      const __m256 scale = kScaledMin<F> ? _mm256_mul_ps(d, second) : d;
+      const __m256 min =
+          kScaledMin<F> ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(third, load_halves(s + 3 * kGroupRows)))
+                        : second;
       for (int i = 0; i < MC; ++i) {
         const int8_t* x = a.block_quants(m0 + i, b);
         const int32_t sum = a.sum(m0 + i, b), low_sum = a.low_sum(m0 + i, b);
@@ -485,9 +543,9 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
         const __m256 dot = F == kQ6_K ? _mm256_add_ps(_mm256_mul_ps(low, second), _mm256_mul_ps(high, third))
                                       : _mm256_add_ps(low, high);
         const float dx = a.scale(m0 + i, b);
-        acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[i]);
-        if constexpr (F == kQ4_1)
-          acc[i] = _mm256_fmadd_ps(second, _mm256_set1_ps(dx * static_cast<float>(sum)), acc[i]);
+        acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[i]);
+        if constexpr (kHasMin<F>)
+          acc[i] = _mm256_fmadd_ps(min, _mm256_set1_ps(dx * static_cast<float>(sum)), acc[i]);
       }
     }
     for (int i = 0; i < MC; ++i) _mm256_storeu_ps(sums[i] + half * 8, acc[i]);
@@ -520,9 +578,13 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
         const float low = static_cast<float>(halves[0]), high = static_cast<float>(halves[1]);
         const float dot = F == kQ6_K ? low * half_to_float(s[kGroupRows + r]) + high * half_to_float(s[2 * kGroupRows + r])
                                      : low + high;
-        sums[i][r] += dot * (half_to_float(s[r]) * dx);
-        if constexpr (F == kQ4_1)
-          sums[i][r] += half_to_float(s[kGroupRows + r]) * (dx * static_cast<float>(a.sum(m0 + i, b)));
+        const float d = half_to_float(s[r]), scale = kScaledMin<F> ? d * half_to_float(s[kGroupRows + r]) : d;
+        sums[i][r] += dot * (scale * dx);
+        if constexpr (kHasMin<F>) {
+          const float min = F == kQ4_1 ? half_to_float(s[kGroupRows + r])
+                                       : -(half_to_float(s[2 * kGroupRows + r]) * half_to_float(s[3 * kGroupRows + r]));
+          sums[i][r] += min * (dx * static_cast<float>(a.sum(m0 + i, b)));
+        }
       }
     }
   }

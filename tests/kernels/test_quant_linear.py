@@ -38,11 +38,13 @@ pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="the C++ CPU kernels could not be built here"
 )
 
-FORMATS = [T.Q8_0, T.Q4_1, T.Q4_0, T.Q6_K]
+FORMATS = [T.Q8_0, T.Q4_1, T.Q4_0, T.Q6_K, T.Q4_K, T.Q5_K]
 # (out, in): an output size that is no multiple of the 16-row groups, then SmolLM2-135M's MLP
 # projections and a slice of its LM head (576 -> 49152); every input size whole blocks of 256 (Q6_K).
 SHAPES = [(67, 256), (1536, 768), (576, 1536), (2064, 512)]
 ROWS = [1, 3, 16, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1]
+# Bytes of a K-quant block of 256 and where its float16 scales are.
+K_QUANT_BYTES = {T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,))}
 FLOAT32_SLACK = 1e-5  # of sum |W| |x| per output
 
 
@@ -50,19 +52,22 @@ FLOAT32_SLACK = 1e-5  # of sum |W| |x| per output
 def gguf_weight(ggml_type: T, shape: tuple[int, int]) -> tuple[np.ndarray, torch.Tensor]:
     """(raw GGUF blocks, their dequantized float64 values) of a random weight."""
     rng = np.random.default_rng(hash((int(ggml_type), shape)) % 2**32)
-    if ggml_type == T.Q6_K:
-        raw = random_q6_k(rng, shape)
+    if ggml_type in K_QUANT_BYTES:
+        raw = random_k_blocks(rng, ggml_type, shape)
     else:
         raw = gguf_quants.quantize(rng.standard_normal(shape, dtype=np.float32), ggml_type)
     return raw, torch.from_numpy(gguf_quants.dequantize(raw, ggml_type)).double()
 
 
-def random_q6_k(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
-    """Q6_K blocks of random quants and sub-scales (gguf has no Q6_K quantizer): every byte but the
-    float16 d at the end of each block of 210 is valid as it comes; d is set to about 1 / (32 * 64)."""
-    blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, 210), dtype=np.uint8)
-    d = rng.uniform(0.5, 1.0, blocks.shape[:2]).astype(np.float16) / np.float16(2048)
-    blocks[..., 208:] = d.view(np.uint8).reshape(*d.shape, 2)
+def random_k_blocks(rng: np.random.Generator, ggml_type: T, shape: tuple[int, int]) -> np.ndarray:
+    """K-quant blocks of random bytes (gguf has no K-quant quantizers): every byte of quants,
+    sub-scales and mins is valid as it comes; the float16 scales (Q6_K's d at the end of a block,
+    the others' d and dmin at its start) are set to small positive values."""
+    block_bytes, scale_offsets = K_QUANT_BYTES[ggml_type]
+    blocks = rng.integers(0, 256, (shape[0], shape[1] // 256, block_bytes), dtype=np.uint8)
+    for offset in scale_offsets:
+        scale = rng.uniform(0.5, 1.0, blocks.shape[:2]).astype(np.float16) / np.float16(2048)
+        blocks[..., offset : offset + 2] = scale.view(np.uint8).reshape(*scale.shape, 2)
     return blocks.reshape(shape[0], -1)
 
 
@@ -156,11 +161,13 @@ def test_supported_types() -> None:
         int(T.Q4_0): "Q4_0",
         int(T.Q4_1): "Q4_1",
         int(T.Q8_0): "Q8_0",
+        int(T.Q4_K): "Q4_K",
+        int(T.Q5_K): "Q5_K",
         int(T.Q6_K): "Q6_K",
     }
 
 
-@pytest.mark.parametrize("ggml_type", [T.F16, T.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.F16, T.Q5_0, T.Q3_K], ids=lambda t: t.name)
 def test_unsupported_type_is_named(ggml_type: T) -> None:
     with pytest.raises(ValueError, match=f"ggml type {int(ggml_type)} has no quantized CPU kernel"):
         pack_gguf_weight(torch.zeros(64, dtype=torch.uint8), int(ggml_type), (1, 32))
