@@ -1,34 +1,37 @@
 // A linear layer computed straight from GGUF's quantized blocks, never widening the weight in memory.
 //
 // torch.ops.raypage.quant_pack(raw uint8, ggml_type, out_features, in_features) -> (quants, scales)
-//   Repacks a weight's GGUF blocks (rows of in_features / 32 blocks, as stored in the file) into the
-//   layout below, once at load.
-// torch.ops.raypage.quant_gemv(x [M, in] float32, quants, scales, ggml_type, out_features) -> [M, out] float32
+//   Repacks a weight's GGUF blocks (each row whole blocks, as stored in the file) into the layout
+//   below, once at load.
+// torch.ops.raypage.quant_gemv(x [M, in], quants, scales, ggml_type, out_features) -> [M, out] float32
 //   The decode path: x quantized to int8 once per call, int8 dot products, the weight streamed once
 //   for all M rows.
 // torch.ops.raypage.quant_dequantize(quants, scales, ggml_type, first_row, out [in, rows] float32 or bf16)
 //   Rows of the weight's values, transposed, as gguf.quants.dequantize gives them (rounded to bf16
 //   for a bf16 out); the prefill path multiplies panels of these.
 //
-// Formats (ggml type ids), each a block of 32 weights of one scale d: Q4_0 (2): d * (q - 8), q in
-// 0..15; Q4_1 (3): d * q + m; Q8_0 (8): d * q, q int8. d and m are float16 in the file.
+// Formats (ggml type ids). Blocks of 32 weights: Q4_0 (2): d * (q - 8), q in 0..15; Q4_1 (3):
+// d * q + m; Q8_0 (8): d * q, q int8; d and m float16. K-quants, blocks of 256 in 8 sub-blocks of 32:
+// Q4_K (12) and Q5_K (13): (d * sc) * q - dmin * m, q of 4 or 5 bits, d and dmin float16 per 256,
+// sc and m 6-bit per 32; Q6_K (14): (d * sc) * (q - 32), q of 6 bits, sc int8 per 16.
 //
 // Packed layout. Output rows go in groups of kGroupRows = 16 (the last group padded with zero rows),
-// one vector of int32 lanes per group: lane r is output row r. The quants of a (group, block) are the
-// block's bytes cut into 4-byte words, word j of every row together: bytes [j][r][4], so one 64-byte
-// load holds 4 consecutive quant bytes of all 16 rows, exactly what one `vpdpbusd` multiplies by 4
-// activation bytes broadcast to every lane. Q8_0 has 8 such words a block, Q4 formats 4 (word j's low
-// nibbles are elements 4j..4j+3, its high nibbles elements 16+4j..16+4j+3: GGUF's own order, so the
-// nibbles are not moved). The scales of a (group, block) are 16 float16 d, then for Q4_1 16 float16
-// m: kept as float16, the bytes the file has, because a decode step is bound by the bytes it reads
-// (converting 16 of them is one instruction).
-//   quants: uint8 [groups, blocks, words * 64], scales: float16 [groups, blocks, 1 or 2, 16]
+// one vector of int32 lanes per group: lane r is output row r. The quants of a (group, block of 32)
+// are the rows' quant bytes cut into 4-byte words, word j of every row together: bytes [j][r][4], so
+// one 64-byte load holds 4 consecutive quant bytes of all 16 rows, exactly what one `vpdpbusd`
+// multiplies by 4 activation bytes broadcast to every lane. Q8_0, Q5_K and Q6_K keep a byte a quant
+// (8 words a block), Q4_0, Q4_1 and Q4_K a nibble (4 words: word j's low nibbles are quants 4j..4j+3,
+// its high nibbles quants 16+4j..16+4j+3, GGUF's own order for blocks of 32). The scales of a
+// (group, block) are 16 float16 each of: d; d, m (Q4_1); d, sc, sc' (Q6_K, a sub-scale per 16);
+// d, sc, dmin, m (Q4_K, Q5_K). float16 because a decode step is bound by the bytes it reads (16 of
+// them convert in one instruction), and the K-quants' small integers are exact in it.
+//   quants: uint8 [groups, blocks, words * 64], scales: float16 [groups, blocks, 1 to 4, 16]
 //
 // Arithmetic of the decode path: each row of x is quantized per block of 32 to int8 q_x with a
 // float32 scale d_x = max|x| / 127 (llama.cpp's Q8_0 activations, scale kept in float32), and the
-// sum of its q_x. A block then adds d_w * d_x * sum(q_w * q_x) (+ m_w * d_x * sum(q_x) for Q4_1),
-// the integer dot exact in int32; Q4_0's -8 and the VNNI path's Q8_0 offset (below) are subtracted
-// in integers too, so activations that are exactly int8 blocks give the float reference up to the
+// sums of its q_x. A block then adds d_w * d_x * sum(q_w * q_x) (+ min_w * d_x * sum(q_x) where
+// the format has a min), the integer dot exact in int32, the formats' constant offsets subtracted
+// in integers too; so activations that are exactly int8 blocks give the float reference up to the
 // order of float32 operations.
 
 #include <ATen/ATen.h>
@@ -64,7 +67,7 @@ enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
 struct Layout {
   int64_t raw_block_weights;  // weights of one block in the GGUF file: 32, or 256 for K-quants
   int64_t raw_block_bytes;    // bytes of one such block
-  int64_t scales;  // float16 scales of a packed block of 32: d; d and m; Q6_K's d and two sub-scales; d, sc, dmin, m
+  int64_t scales;             // float16 scales (of 16 rows each) a packed block of 32 has
   int64_t words;              // 4-byte quant words per row and packed block
 };
 
@@ -218,7 +221,8 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t for
         for (int64_t b = 0; b < blocks; ++b) {
           const PackedBlock block = read_block(format, layout, src + (g * kGroupRows + r) * row_bytes, b);
           const int64_t at = g * blocks + b;
-          for (int64_t i = 0; i < layout.scales; ++i) dst_scales[(at * layout.scales + i) * kGroupRows + r] = block.scales[i];
+          for (int64_t i = 0; i < layout.scales; ++i)
+            dst_scales[(at * layout.scales + i) * kGroupRows + r] = block.scales[i];
           for (int64_t j = 0; j < layout.words; ++j)
             std::memcpy(dst + at * group_block_bytes + j * kWordRowBytes + r * kWordBytes,
                         block.quants + j * kWordBytes, kWordBytes);
@@ -233,7 +237,9 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t for
 // Dequantizing: the prefill path's panels, transposed ([in, rows]: a group's rows are 16 adjacent
 // columns, so every vector of 16 lanes of the packed layout is one contiguous store)
 
-[[maybe_unused]] inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+inline float half_to_float(uint16_t bits) {
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
 
 template <typename T>
 inline void store_lanes(const float* values, int64_t count, T* out) {
@@ -243,9 +249,8 @@ inline void store_lanes(const float* values, int64_t count, T* out) {
 // One (group, block) into rows [0, 32) of `out` (row stride `stride`), its `count` leading columns:
 // lane r is row r's weight, d * q + m as gguf.quants.dequantize computes it (a product, then a sum:
 // the build contracts no multiply-adds; d times Q6_K's sub-scale or the K-quants' sc first, and
-// dmin * m subtracted). Word j of a row holds
-// quants 4j..4j+3 (a byte each: byte e is quant 4j+e) or, in nibbles, quants 4j..4j+3 and
-// 16+4j..16+4j+3 (Q4: byte e's low nibble, then its high one).
+// dmin * m subtracted). Word j of a row holds quants 4j..4j+3 (a byte each: byte e is quant 4j+e)
+// or, in nibbles, quants 4j..4j+3 and 16+4j..16+4j+3 (byte e's low nibble, then its high one).
 template <int64_t F>
 inline int32_t signed_quant(uint32_t bits) {  // bits: the quant in the lowest byte or nibble
   if constexpr (F == kQ8_0) return static_cast<int8_t>(bits & 0xFF);
@@ -271,9 +276,10 @@ template <int64_t F, typename T>
 void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
   const __m512 d = load_halves(scales);
   const __m512 block_scale = kScaledMin<F> ? _mm512_mul_ps(d, load_halves(scales + kGroupRows)) : d;
-  const __m512 m = F == kQ4_1      ? load_halves(scales + kGroupRows)
-                   : kScaledMin<F> ? _mm512_mul_ps(load_halves(scales + 2 * kGroupRows), load_halves(scales + 3 * kGroupRows))
-                                   : _mm512_setzero_ps();
+  const __m512 m = F == kQ4_1 ? load_halves(scales + kGroupRows)
+                   : kScaledMin<F>
+                       ? _mm512_mul_ps(load_halves(scales + 2 * kGroupRows), load_halves(scales + 3 * kGroupRows))
+                       : _mm512_setzero_ps();
   for (int64_t j = 0; j < kWords<F>; ++j) {
     // Q6_K: quants 0..15 have the first sub-scale, 16..31 the second.
     const __m512 scale =
@@ -365,12 +371,12 @@ void quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Activations quantized per block of 32: int8 quants, a float32 scale and the sum of the quants
+// Activations quantized per block of 32: int8 quants, a float32 scale and the sums of the quants
 
 struct QuantizedActivations {
-  std::vector<int8_t> quants;  // [M, in]
-  std::vector<float> scales;   // [M, blocks]
-  std::vector<int32_t> sums;   // [M, blocks]
+  std::vector<int8_t> quants;     // [M, in]
+  std::vector<float> scales;      // [M, blocks]
+  std::vector<int32_t> sums;      // [M, blocks]
   std::vector<int32_t> low_sums;  // [M, blocks]: the sums of each block's first 16 quants
   int64_t in_features, blocks;
 
@@ -384,21 +390,23 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
   const int64_t blocks = in_features / kBlock;
   QuantizedActivations a{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * blocks),
                          std::vector<int32_t>(rows * blocks), std::vector<int32_t>(rows * blocks), in_features, blocks};
-  for (int64_t i = 0; i < rows * blocks; ++i) {
-    const float* src = x + i * kBlock;
-    float amax = 0.f;
-    for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(src[e]));
-    const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
-    int8_t* q = a.quants.data() + i * kBlock;
-    int32_t sum = 0;
-    for (int64_t e = 0; e < kBlock; ++e) {
-      q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(src[e] * inverse), -127.f, 127.f));
-      sum += q[e];
-      if (e == 15) a.low_sums[i] = sum;
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + i * kBlock;
+      float amax = 0.f;
+      for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(src[e]));
+      const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = a.quants.data() + i * kBlock;
+      int32_t sum = 0;
+      for (int64_t e = 0; e < kBlock; ++e) {
+        q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(src[e] * inverse), -127.f, 127.f));
+        sum += q[e];
+        if (e == 15) a.low_sums[i] = sum;
+      }
+      a.scales[i] = d;
+      a.sums[i] = sum;
     }
-    a.scales[i] = d;
-    a.sums[i] = sum;
-  }
+  });
   return a;
 }
 
@@ -576,8 +584,9 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
         int32_t halves[2] = {0, 0};
         for (int64_t e = 0; e < kBlock; ++e) halves[e / 16] += quant_at<F>(block, r, e) * x[e];
         const float low = static_cast<float>(halves[0]), high = static_cast<float>(halves[1]);
-        const float dot = F == kQ6_K ? low * half_to_float(s[kGroupRows + r]) + high * half_to_float(s[2 * kGroupRows + r])
-                                     : low + high;
+        const float dot =
+            F == kQ6_K ? low * half_to_float(s[kGroupRows + r]) + high * half_to_float(s[2 * kGroupRows + r])
+                       : low + high;
         const float d = half_to_float(s[r]), scale = kScaledMin<F> ? d * half_to_float(s[kGroupRows + r]) : d;
         sums[i][r] += dot * (scale * dx);
         if constexpr (kHasMin<F>) {
