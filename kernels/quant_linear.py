@@ -28,8 +28,8 @@ import torch
 
 from kernels.build import cpu_kernels_available
 
-# ggml's type ids (gguf.GGMLQuantizationType) of the formats the kernels read, and their block sizes:
-# (weights per block, bytes per block).
+# The formats the kernels read: name -> (ggml's type id as in gguf.GGMLQuantizationType, weights
+# per block, bytes per block).
 _FORMATS = {
     "Q4_0": (2, 32, 18),
     "Q4_1": (3, 32, 20),
@@ -39,13 +39,14 @@ _FORMATS = {
     "Q6_K": (14, 256, 210),
 }
 _NAMES = {ggml_type: name for name, (ggml_type, _, _) in _FORMATS.items()}
-# Rows up to which the int8 dot-product kernel is faster than bf16 panels and torch's matmul: on a
-# Xeon with AVX512-VNNI and AMX, two threads, 2048 -> 2048, they break even at 128 rows (GEMV 2.4 ms,
-# panels 2.3 ms), the kernel is 1.5x faster at 64 and 4x at 16 (benchmarks/bench_quant_linear.py).
+# Rows up to which the int8 dot-product kernel is faster than bf16 panels and torch's matmul: timed
+# one against the other on a Xeon with AVX512-VNNI and AMX, two threads, Q4_1 2048 -> 2048, they
+# break even at 128 rows (2.4 ms and 2.3 ms), the kernel is 1.5x faster at 64 and 4x at 16.
 GEMV_MAX_ROWS = 128
-# Bytes of float32 weights that one dequantized panel holds: a few rows that stay in L2 while
-# torch's matmul reads them for every activation row.
-_PANEL_BYTES = 1 << 20
+# A dequantized panel: about the two cores' L2 (2 MiB each here), and never narrower than 256 rows,
+# below which torch's matmul runs far slower on long rows (8192 -> 2048: 64 rows took 6x as long).
+_PANEL_BYTES = 4 << 20
+_MIN_PANEL_ROWS = 256
 _GROUP_ROWS = 16  # the packed layout's rows per group; panels start at group boundaries
 
 
@@ -79,8 +80,9 @@ def supported_ggml_types() -> dict[int, str]:
 
 def pack_gguf_weight(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> QuantizedWeight:
     """Repack a weight's GGUF blocks (uint8, as stored in the file: each of the `shape[0]` rows
-    `shape[1] / 32` blocks) for `quantized_linear`. ValueError for a format the kernels do not read,
-    a row length that is not whole blocks, or bytes that do not match the shape."""
+    whole blocks of 32 weights, 256 for K-quants) for `quantized_linear`. ValueError for a format
+    the kernels do not read, a row length that is not whole blocks, or bytes that do not match the
+    shape."""
     name = _NAMES.get(int(ggml_type))
     if name is None:
         raise ValueError(
@@ -152,7 +154,8 @@ def _panel_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     x = x.to(dtype)
     panel_rows = _PANEL_BYTES // (in_features * dtype.itemsize) // _GROUP_ROWS * _GROUP_ROWS
-    panel = torch.empty(in_features, max(panel_rows, _GROUP_ROWS), dtype=dtype)  # transposed rows
+    panel_rows = min(max(panel_rows, _MIN_PANEL_ROWS), out_features)
+    panel = torch.empty(in_features, panel_rows, dtype=dtype)  # transposed rows
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     for first in range(0, out_features, panel.shape[1]):
         columns = panel[:, : min(panel.shape[1], out_features - first)]

@@ -1,5 +1,6 @@
 """The quantized linear kernels (kernels/quant_linear.py) against gguf's own dequantization followed by
-a float64 matmul, for every block format they read.
+a float64 matmul, for every block format they read: random weights quantized by gguf, and for the
+K-quants, which gguf does not quantize, random blocks.
 
 Tolerances, derived rather than tuned:
 
@@ -187,6 +188,11 @@ def test_bytes_not_matching_the_shape() -> None:
     raw, _ = gguf_weight(T.Q4_1, (67, 256))
     with pytest.raises(ValueError, match="takes 10720 uint8 bytes, got 10700"):
         pack_gguf_weight(torch.from_numpy(raw).view(-1)[:-20], int(T.Q4_1), (67, 256))
+
+
+def test_dequantize_rows_start_at_a_group() -> None:
+    with pytest.raises(ValueError, match="must start at a multiple of 16"):
+        dequantize(packed(T.Q8_0, (67, 256)), first_row=8, rows=16)
 
 
 def test_activation_size_mismatch() -> None:
