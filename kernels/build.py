@@ -37,6 +37,7 @@ SOURCES = [
         "decoder_layer.cpp",
         "token_bitmask.cpp",
         "moe.cpp",
+        "quant_linear.cpp",
     )
 ]
 # Every header in csrc, hashed with the sources that include them: a change to one builds a new library.

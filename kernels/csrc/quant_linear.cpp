@@ -1,0 +1,667 @@
+// A linear layer computed straight from GGUF's quantized blocks, never widening the weight in memory.
+//
+// torch.ops.raypage.quant_pack(raw uint8, ggml_type, out_features, in_features) -> (quants, scales)
+//   Repacks a weight's GGUF blocks (each row whole blocks, as stored in the file) into the layout
+//   below, once at load.
+// torch.ops.raypage.quant_gemv(x [M, in], quants, scales, ggml_type, out_features) -> [M, out] float32
+//   The decode path: x quantized to int8 once per call, int8 dot products, the weight streamed once
+//   for all M rows.
+// torch.ops.raypage.quant_dequantize(quants, scales, ggml_type, first_row, out [in, rows] float32 or bf16)
+//   Rows of the weight's values, transposed, as gguf.quants.dequantize gives them (rounded to bf16
+//   for a bf16 out); the prefill path multiplies panels of these.
+//
+// Formats (ggml type ids). Blocks of 32 weights: Q4_0 (2): d * (q - 8), q in 0..15; Q4_1 (3):
+// d * q + m; Q8_0 (8): d * q, q int8; d and m float16. K-quants, blocks of 256 in 8 sub-blocks of 32:
+// Q4_K (12) and Q5_K (13): (d * sc) * q - dmin * m, q of 4 or 5 bits, d and dmin float16 per 256,
+// sc and m 6-bit per 32; Q6_K (14): (d * sc) * (q - 32), q of 6 bits, sc int8 per 16.
+//
+// Packed layout. Output rows go in groups of kGroupRows = 16 (the last group padded with zero rows),
+// one vector of int32 lanes per group: lane r is output row r. The quants of a (group, block of 32)
+// are the rows' quant bytes cut into 4-byte words, word j of every row together: bytes [j][r][4], so
+// one 64-byte load holds 4 consecutive quant bytes of all 16 rows, exactly what one `vpdpbusd`
+// multiplies by 4 activation bytes broadcast to every lane. Q8_0, Q5_K and Q6_K keep a byte a quant
+// (8 words a block), Q4_0, Q4_1 and Q4_K a nibble (4 words: word j's low nibbles are quants 4j..4j+3,
+// its high nibbles quants 16+4j..16+4j+3, GGUF's own order for blocks of 32). The scales of a
+// (group, block) are 16 float16 each of: d; d, m (Q4_1); d, sc, sc' (Q6_K, a sub-scale per 16);
+// d, sc, dmin, m (Q4_K, Q5_K). float16 because a decode step is bound by the bytes it reads (16 of
+// them convert in one instruction), and the K-quants' small integers are exact in it.
+//   quants: uint8 [groups, blocks, words * 64], scales: float16 [groups, blocks, 1 to 4, 16]
+//
+// Arithmetic of the decode path: each row of x is quantized per block of 32 to int8 q_x with a
+// float32 scale d_x = max|x| / 127 (llama.cpp's Q8_0 activations, scale kept in float32), and the
+// sums of its q_x. A block then adds d_w * d_x * sum(q_w * q_x) (+ min_w * d_x * sum(q_x) where
+// the format has a min), the integer dot exact in int32, the formats' constant offsets subtracted
+// in integers too; so activations that are exactly int8 blocks give the float reference up to the
+// order of float32 operations.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace raypage::simd;
+
+constexpr int64_t kBlock = 32;      // weights per block, in every format here
+constexpr int64_t kGroupRows = 16;  // output rows per group: one vector of 16 int32 lanes
+constexpr int64_t kWordBytes = 4;   // quant bytes per row that one dot-product lane takes at a time
+constexpr int64_t kWordRowBytes = kGroupRows * kWordBytes;
+constexpr int64_t kRowsPerPass = 4;  // activation rows that share one load of the weights' registers
+
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+struct Layout {
+  int64_t raw_block_weights;  // weights of one block in the GGUF file: 32, or 256 for K-quants
+  int64_t raw_block_bytes;    // bytes of one such block
+  int64_t scales;             // float16 scales (of 16 rows each) a packed block of 32 has
+  int64_t words;              // 4-byte quant words per row and packed block
+};
+
+Layout layout_of(int64_t format) {
+  switch (format) {
+    case kQ4_0: return {32, 18, 1, 4};
+    case kQ4_1: return {32, 20, 2, 4};
+    case kQ8_0: return {32, 34, 1, 8};
+    case kQ4_K: return {256, 144, 4, 4};
+    case kQ5_K: return {256, 176, 4, 8};
+    case kQ6_K: return {256, 210, 3, 8};
+    default:
+      TORCH_CHECK(false, "quant_linear: unsupported ggml type ", format,
+                  " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+  }
+}
+
+// Q8_0 and Q6_K keep a byte a quant (8 words a block), Q4 formats a nibble (4 words).
+template <int64_t F>
+constexpr bool kBytePerQuant = F == kQ8_0 || F == kQ5_K || F == kQ6_K;
+template <int64_t F>
+constexpr int64_t kWords = kBytePerQuant<F> ? 8 : 4;
+template <int64_t F>
+constexpr int kNibbles = kBytePerQuant<F> ? 1 : 2;
+template <int64_t F>
+constexpr int64_t kScales = F == kQ4_1 ? 2 : F == kQ6_K ? 3 : F == kQ4_K || F == kQ5_K ? 4 : 1;  // layout_of(F).scales
+// Q4_K and Q5_K: weights (d * sc) * q - dmin * m, sc and m 6-bit integers per block of 32.
+template <int64_t F>
+constexpr bool kScaledMin = F == kQ4_K || F == kQ5_K;
+// Formats whose weights add a min per block (Q4_1's m, the K-quants' -dmin * m) to d * q.
+template <int64_t F>
+constexpr bool kHasMin = F == kQ4_1 || kScaledMin<F>;
+// What is subtracted from the unsigned quants the packed layout keeps (Q8_0's are signed).
+template <int64_t F>
+constexpr int32_t kQuantOffset = F == kQ4_0 ? 8 : F == kQ6_K ? 32 : 0;
+
+// Calls body(std::integral_constant<int64_t, format>{}): the kernels are compiled once a format.
+template <typename Body>
+void dispatch_format(int64_t format, Body body) {
+  switch (format) {
+    case kQ4_0: return body(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return body(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ8_0: return body(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return body(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return body(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return body(std::integral_constant<int64_t, kQ6_K>{});
+    default: layout_of(format);  // raises, naming the type
+  }
+}
+
+// That quants and scales are quant_pack's output for `format`.
+void check_packed(const at::Tensor& quants, const at::Tensor& scales, int64_t format, const char* op) {
+  const Layout layout = layout_of(format);
+  TORCH_CHECK(quants.dim() == 3 && quants.scalar_type() == at::kByte && quants.is_contiguous() &&
+                  quants.size(2) == layout.words * kWordRowBytes,
+              op, ": quants are not a packed ggml type ", format, " weight: ", quants.scalar_type(), " ",
+              quants.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({quants.size(0), quants.size(1), layout.scales, kGroupRows}),
+              op, ": scales do not match the quants: ", scales.sizes());
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Repacking
+
+// Block b (of 32 weights) of a row as the packed layout keeps it: its quant bytes in word order and
+// its float16 scales.
+struct PackedBlock {
+  uint8_t quants[kBlock];
+  uint16_t scales[4];
+};
+
+inline uint16_t half_bits(float x) { return c10::Half(x).x; }
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K or Q5_K block, from its 12 packed bytes.
+std::pair<int, int> k_scale_min(const uint8_t* packed, int64_t j) {
+  if (j < 4) return {packed[j] & 63, packed[j + 4] & 63};
+  return {(packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4), (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4)};
+}
+
+// The quants of sub-block j of a K-quant block of 256, unsigned, and its scales: Q6_K's d and two
+// sub-scales, or the d, sc, dmin, m of Q4_K and Q5_K (small integers, exact in float16).
+void read_k_block(int64_t format, const uint8_t* block, int64_t j, uint8_t* q, uint16_t* scales) {
+  if (format == kQ6_K) {
+    // ql[128] (low 4 bits), qh[64] (high 2), 16 int8 sub-scales (one per 16 weights), d. Weight
+    // k = 32j + e, h = k / 128, i = k % 128: ql[64h + i % 64] >> 4 (i / 64) and qh[32h + i % 32] >> 2 (i / 32).
+    const uint8_t *ql = block, *qh = block + 128;
+    for (int64_t e = 0; e < kBlock; ++e) {
+      const int64_t k = j * kBlock + e, h = k / 128, i = k % 128;
+      q[e] = ((ql[64 * h + i % 64] >> (4 * (i / 64))) & 0x0F) | ((qh[32 * h + i % 32] >> (2 * (i / 32))) & 3) << 4;
+    }
+    std::memcpy(scales, block + 208, 2);
+    const int8_t* sub_scales = reinterpret_cast<const int8_t*>(block + 192);
+    for (int half = 0; half < 2; ++half) scales[1 + half] = half_bits(sub_scales[2 * j + half]);
+    return;
+  }
+  // Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, qs[128]: weight e of sub-block j in the low
+  // (j even) or high nibble of qs[32 (j / 2) + e]. Q5_K: qh[32] before qs, bit j of qh[e] its fifth bit.
+  const uint8_t* qs = block + (format == kQ5_K ? 48 : 16);
+  for (int64_t e = 0; e < kBlock; ++e) {
+    q[e] = (qs[kBlock * (j / 2) + e] >> (4 * (j % 2))) & 0x0F;
+    if (format == kQ5_K) q[e] |= ((block[16 + e] >> j) & 1) << 4;
+  }
+  const auto [scale, min] = k_scale_min(block + 4, j);
+  std::memcpy(scales, block, 2);
+  scales[1] = half_bits(static_cast<float>(scale));
+  std::memcpy(scales + 2, block + 2, 2);
+  scales[3] = half_bits(static_cast<float>(min));
+}
+
+PackedBlock read_block(int64_t format, const Layout& layout, const uint8_t* row, int64_t b) {
+  PackedBlock packed{};
+  if (layout.raw_block_weights == kBlock) {  // d (and m) first, then the quants as they are
+    const uint8_t* block = row + b * layout.raw_block_bytes;
+    std::memcpy(packed.scales, block, 2 * layout.scales);
+    std::memcpy(packed.quants, block + 2 * layout.scales, layout.words * kWordBytes);
+    return packed;
+  }
+  uint8_t q[kBlock];
+  read_k_block(format, row + (b / 8) * layout.raw_block_bytes, b % 8, q, packed.scales);
+  if (layout.words == 8) {
+    std::memcpy(packed.quants, q, kBlock);
+  } else {  // nibbles as GGUF's 32-blocks have them: byte e holds weights e and 16 + e
+    for (int64_t e = 0; e < 16; ++e) packed.quants[e] = q[e] | q[16 + e] << 4;
+  }
+  return packed;
+}
+
+std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t format, int64_t out_features,
+                                              int64_t in_features) {
+  const Layout layout = layout_of(format);
+  TORCH_CHECK(in_features > 0 && in_features % layout.raw_block_weights == 0 && out_features > 0,
+              "quant_pack: in_features must be a positive multiple of ", layout.raw_block_weights, ", got [",
+              out_features, ", ", in_features, "]");
+  const int64_t blocks = in_features / kBlock, groups = (out_features + kGroupRows - 1) / kGroupRows;
+  const int64_t row_bytes = in_features / layout.raw_block_weights * layout.raw_block_bytes;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == out_features * row_bytes,
+              "quant_pack: raw must be ", out_features * row_bytes, " contiguous uint8 bytes for [", out_features, ", ",
+              in_features, "], got ", raw.numel(), " of ", raw.scalar_type());
+  const int64_t group_block_bytes = layout.words * kWordRowBytes;
+  // Zeros: the padding rows of the last group have zero scales and quants, and produce 0.
+  at::Tensor quants = at::zeros({groups, blocks, group_block_bytes}, raw.options());
+  at::Tensor scales = at::zeros({groups, blocks, layout.scales, kGroupRows}, raw.options().dtype(at::kHalf));
+  const uint8_t* src = raw.const_data_ptr<uint8_t>();
+  uint8_t* dst = quants.mutable_data_ptr<uint8_t>();
+  uint16_t* dst_scales = reinterpret_cast<uint16_t*>(scales.mutable_data_ptr<at::Half>());
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t rows = std::min(kGroupRows, out_features - g * kGroupRows);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          const PackedBlock block = read_block(format, layout, src + (g * kGroupRows + r) * row_bytes, b);
+          const int64_t at = g * blocks + b;
+          for (int64_t i = 0; i < layout.scales; ++i)
+            dst_scales[(at * layout.scales + i) * kGroupRows + r] = block.scales[i];
+          for (int64_t j = 0; j < layout.words; ++j)
+            std::memcpy(dst + at * group_block_bytes + j * kWordRowBytes + r * kWordBytes,
+                        block.quants + j * kWordBytes, kWordBytes);
+        }
+      }
+    }
+  });
+  return {quants, scales};
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Dequantizing: the prefill path's panels, transposed ([in, rows]: a group's rows are 16 adjacent
+// columns, so every vector of 16 lanes of the packed layout is one contiguous store)
+
+inline float half_to_float(uint16_t bits) {
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+template <typename T>
+inline void store_lanes(const float* values, int64_t count, T* out) {
+  for (int64_t r = 0; r < count; ++r) out[r] = static_cast<T>(values[r]);
+}
+
+// One (group, block) into rows [0, 32) of `out` (row stride `stride`), its `count` leading columns:
+// lane r is row r's weight, d * q + m as gguf.quants.dequantize computes it (a product, then a sum:
+// the build contracts no multiply-adds; d times Q6_K's sub-scale or the K-quants' sc first, and
+// dmin * m subtracted). Word j of a row holds quants 4j..4j+3 (a byte each: byte e is quant 4j+e)
+// or, in nibbles, quants 4j..4j+3 and 16+4j..16+4j+3 (byte e's low nibble, then its high one).
+template <int64_t F>
+inline int32_t signed_quant(uint32_t bits) {  // bits: the quant in the lowest byte or nibble
+  if constexpr (F == kQ8_0) return static_cast<int8_t>(bits & 0xFF);
+  return static_cast<int32_t>(bits & (kBytePerQuant<F> ? 0xFF : 0x0F)) - kQuantOffset<F>;
+}
+
+#if defined(__AVX512F__)
+
+template <int64_t F>
+inline __m512i quants_of(__m512i words, int e, int nibble) {
+  if constexpr (F == kQ8_0)  // byte e to the top, then back down with its sign
+    return _mm512_srai_epi32(_mm512_sllv_epi32(words, _mm512_set1_epi32(24 - 8 * e)), 24);
+  const __m512i bits = _mm512_srlv_epi32(words, _mm512_set1_epi32(8 * e + 4 * nibble));
+  const __m512i q = _mm512_and_si512(bits, _mm512_set1_epi32(kBytePerQuant<F> ? 0xFF : 0x0F));
+  return kQuantOffset<F> ? _mm512_sub_epi32(q, _mm512_set1_epi32(kQuantOffset<F>)) : q;
+}
+
+inline __m512 load_halves(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int64_t F, typename T>
+void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
+  const __m512 d = load_halves(scales);
+  const __m512 block_scale = kScaledMin<F> ? _mm512_mul_ps(d, load_halves(scales + kGroupRows)) : d;
+  const __m512 m = F == kQ4_1 ? load_halves(scales + kGroupRows)
+                   : kScaledMin<F>
+                       ? _mm512_mul_ps(load_halves(scales + 2 * kGroupRows), load_halves(scales + 3 * kGroupRows))
+                       : _mm512_setzero_ps();
+  for (int64_t j = 0; j < kWords<F>; ++j) {
+    // Q6_K: quants 0..15 have the first sub-scale, 16..31 the second.
+    const __m512 scale =
+        F == kQ6_K ? _mm512_mul_ps(d, load_halves(scales + (j < 4 ? 1 : 2) * kGroupRows)) : block_scale;
+    const __m512i word = _mm512_loadu_si512(block + j * kWordRowBytes);
+    for (int e = 0; e < kWordBytes; ++e) {
+      for (int nibble = 0; nibble < kNibbles<F>; ++nibble) {
+        __m512 values = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(quants_of<F>(word, e, nibble)));
+        if constexpr (F == kQ4_1) values = _mm512_add_ps(values, m);
+        if constexpr (kScaledMin<F>) values = _mm512_sub_ps(values, m);
+        T* row = out + (kWordBytes * j + e + 16 * nibble) * stride;
+        if (count == kGroupRows) {
+          store_rounded(row, round_lanes<T>(values));
+        } else {
+          float lanes[kGroupRows];
+          _mm512_storeu_ps(lanes, values);
+          store_lanes(lanes, count, row);
+        }
+      }
+    }
+  }
+}
+
+#else
+
+template <int64_t F, typename T>
+void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
+  for (int64_t j = 0; j < kWords<F>; ++j) {
+    uint32_t word[kGroupRows];
+    std::memcpy(word, block + j * kWordRowBytes, sizeof(word));
+    for (int e = 0; e < kWordBytes; ++e) {
+      for (int nibble = 0; nibble < kNibbles<F>; ++nibble) {
+        float values[kGroupRows];
+        for (int64_t r = 0; r < kGroupRows; ++r) {
+          const float d = half_to_float(scales[r]);
+          const float scale = F == kQ6_K      ? d * half_to_float(scales[(j < 4 ? 1 : 2) * kGroupRows + r])
+                              : kScaledMin<F> ? d * half_to_float(scales[kGroupRows + r])
+                                              : d;
+          values[r] = scale * static_cast<float>(signed_quant<F>(word[r] >> (8 * e + 4 * nibble)));
+          if constexpr (F == kQ4_1) values[r] += half_to_float(scales[kGroupRows + r]);
+          if constexpr (kScaledMin<F>)
+            values[r] -= half_to_float(scales[2 * kGroupRows + r]) * half_to_float(scales[3 * kGroupRows + r]);
+        }
+        store_lanes(values, count, out + (kWordBytes * j + e + 16 * nibble) * stride);
+      }
+    }
+  }
+}
+
+#endif
+
+// Rows [first_row, first_row + out.size(1)) of the weight, transposed into out [in_features, rows]
+// (float32 or bf16, rows contiguous); first_row a multiple of 16.
+void quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_t format, int64_t first_row,
+                      at::Tensor out) {
+  check_packed(quants, scales, format, "quant_dequantize");
+  const int64_t blocks = quants.size(1), padded_rows = quants.size(0) * kGroupRows;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == blocks * kBlock && out.stride(1) == 1 &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "quant_dequantize: out must be float32 or bf16 [", blocks * kBlock, ", rows] with rows contiguous, got ",
+              out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
+  const int64_t rows = out.size(1), stride = out.stride(0);
+  TORCH_CHECK(first_row >= 0 && first_row % kGroupRows == 0 && first_row + rows <= padded_rows,
+              "quant_dequantize: rows [", first_row, ", ", first_row + rows, ") must start at a multiple of ",
+              kGroupRows, " inside the weight");
+  const uint8_t* q = quants.const_data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
+  const int64_t group_block_bytes = quants.size(2), first_group = first_row / kGroupRows;
+  auto run = [&](auto format_tag, auto* o) {
+    constexpr int64_t F = decltype(format_tag)::value;
+    // A block's 32 rows of out at a time, left to right: whole cache lines, written once.
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t g = 0; g * kGroupRows < rows; ++g) {
+          const int64_t at = (first_group + g) * blocks + b;
+          dequantize_group_block<F>(q + at * group_block_bytes, s + at * kScales<F> * kGroupRows,
+                                    std::min(kGroupRows, rows - g * kGroupRows),
+                                    o + b * kBlock * stride + g * kGroupRows, stride);
+        }
+      }
+    });
+  };
+  dispatch_format(format, [&](auto format_tag) {
+    if (out.scalar_type() == at::kFloat)
+      run(format_tag, out.mutable_data_ptr<float>());
+    else
+      run(format_tag, out.mutable_data_ptr<c10::BFloat16>());
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Activations quantized per block of 32: int8 quants, a float32 scale and the sums of the quants
+
+struct QuantizedActivations {
+  std::vector<int8_t> quants;     // [M, in]
+  std::vector<float> scales;      // [M, blocks]
+  std::vector<int32_t> sums;      // [M, blocks]
+  std::vector<int32_t> low_sums;  // [M, blocks]: the sums of each block's first 16 quants
+  int64_t in_features, blocks;
+
+  const int8_t* block_quants(int64_t m, int64_t b) const { return quants.data() + m * in_features + b * kBlock; }
+  float scale(int64_t m, int64_t b) const { return scales[m * blocks + b]; }
+  int32_t sum(int64_t m, int64_t b) const { return sums[m * blocks + b]; }
+  int32_t low_sum(int64_t m, int64_t b) const { return low_sums[m * blocks + b]; }
+};
+
+QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t in_features) {
+  const int64_t blocks = in_features / kBlock;
+  QuantizedActivations a{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * blocks),
+                         std::vector<int32_t>(rows * blocks), std::vector<int32_t>(rows * blocks), in_features, blocks};
+  at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + i * kBlock;
+      float amax = 0.f;
+      for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(src[e]));
+      const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = a.quants.data() + i * kBlock;
+      int32_t sum = 0;
+      for (int64_t e = 0; e < kBlock; ++e) {
+        q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(src[e] * inverse), -127.f, 127.f));
+        sum += q[e];
+        if (e == 15) a.low_sums[i] = sum;
+      }
+      a.scales[i] = d;
+      a.sums[i] = sum;
+    }
+  });
+  return a;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The decode path, one group of 16 output rows against activation rows [m0, m0 + MC)
+//
+// A block adds d_w * d_x * (integer dot) to each lane; the dot is taken as two halves of 16 quants
+// (two shorter dependency chains, and Q6_K's two sub-scales). Offsets that are constant multiples
+// of the quants' sum (Q4_0's 8, Q6_K's 32, Q8_0's 128 where it is flipped) come off in integers;
+// Q6_K's halves, times their integer sub-scales in float32, stay exact (|half dot| <= 16 * 32 * 127,
+// times |sub-scale| <= 128, both sums < 2^24).
+
+#if defined(__AVX512VNNI__)
+
+// `vpdpbusd` multiplies unsigned weight bytes by signed activation bytes, 4 a lane. Q4 and Q6_K
+// quants are unsigned already; Q8_0's signed ones are flipped to q + 128 (xor 0x80).
+template <int64_t F>
+inline void load_weights(const uint8_t* block, __m512i (&w)[8]) {
+  if constexpr (kBytePerQuant<F>) {
+    const __m512i flip = _mm512_set1_epi8(F == kQ8_0 ? static_cast<char>(0x80) : 0);
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(_mm512_loadu_si512(block + j * kWordRowBytes), flip);
+  } else {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(block + j * kWordRowBytes);
+      w[j] = _mm512_and_si512(packed, nibble);
+      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+  }
+}
+
+// What the sum of the activation quants is multiplied by and subtracted from the integer dot.
+template <int64_t F>
+constexpr int32_t kIntegerOffset = F == kQ8_0 ? 128 : kQuantOffset<F>;
+
+// Lane r: row r's 4 weight words (16 quants) times the activation's 16 quants, less `offset`.
+inline __m512 half_dot(const __m512i* w, const int8_t* x, int32_t offset) {
+  __m512i dot = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) {
+    int32_t word;
+    std::memcpy(&word, x + j * kWordBytes, kWordBytes);
+    dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(word));
+  }
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(offset)));
+}
+
+template <int64_t F, int MC>
+void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
+                float (*sums)[kGroupRows]) {
+  __m512 acc[MC];
+  for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    __m512i w[8];
+    load_weights<F>(quants + b * kWords<F> * kWordRowBytes, w);
+    const uint16_t* s = scales + b * kScales<F> * kGroupRows;
+    const __m512 d = load_halves(s);
+    const __m512 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, a sub-scale, or sc
+    const __m512 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;  // a sub-scale, or dmin
+    const __m512 scale = kScaledMin<F> ? _mm512_mul_ps(d, second) : d;
+    const __m512 min =
+        kScaledMin<F> ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(third, load_halves(s + 3 * kGroupRows)))
+                      : second;
+    for (int i = 0; i < MC; ++i) {
+      const int8_t* x = a.block_quants(m0 + i, b);
+      const int32_t sum = a.sum(m0 + i, b), low_sum = a.low_sum(m0 + i, b);
+      const __m512 low = half_dot(w, x, kIntegerOffset<F> * low_sum);
+      const __m512 high = half_dot(w + 4, x + 16, kIntegerOffset<F> * (sum - low_sum));
+      const __m512 dot = F == kQ6_K ? _mm512_add_ps(_mm512_mul_ps(low, second), _mm512_mul_ps(high, third))
+                                    : _mm512_add_ps(low, high);
+      const float dx = a.scale(m0 + i, b);
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(dx)), acc[i]);
+      if constexpr (kHasMin<F>) acc[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx * static_cast<float>(sum)), acc[i]);
+    }
+  }
+  for (int i = 0; i < MC; ++i) _mm512_storeu_ps(sums[i], acc[i]);
+}
+
+#elif defined(__AVX2__)
+
+// `vpmaddubsw` multiplies unsigned by signed bytes into saturating int16 pairs: fine for Q4's 0..15
+// and Q6_K's 0..63, not for Q8_0 flipped to 0..255, so Q8_0 takes the sign trick instead: |q_w|
+// times q_x with q_w's sign, at most 2 * 128 * 127 a pair. 8 int32 lanes a vector: a group is two
+// halves of 8 rows.
+template <int64_t F>
+inline void load_weights(const uint8_t* block, int half, __m256i (&w)[8]) {
+  const uint8_t* p = block + half * 32;
+  if constexpr (kBytePerQuant<F>) {
+    for (int j = 0; j < 8; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * kWordRowBytes));
+  } else {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * kWordRowBytes));
+      w[j] = _mm256_and_si256(packed, nibble);
+      w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    }
+  }
+}
+
+template <int64_t F>
+constexpr int32_t kIntegerOffset = kQuantOffset<F>;
+
+template <int64_t F>
+inline __m256 half_dot(const __m256i* w, const int8_t* x, int32_t offset) {
+  __m256i dot = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    int32_t word;
+    std::memcpy(&word, x + j * kWordBytes, kWordBytes);
+    const __m256i xs = _mm256_set1_epi32(word);
+    const __m256i pairs = F == kQ8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(xs, w[j]))
+                                     : _mm256_maddubs_epi16(w[j], xs);
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(offset)));
+}
+
+inline __m256 load_halves(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int64_t F, int MC>
+void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
+                float (*sums)[kGroupRows]) {
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MC];
+    for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      __m256i w[8];
+      load_weights<F>(quants + b * kWords<F> * kWordRowBytes, half, w);
+      const uint16_t* s = scales + b * kScales<F> * kGroupRows + half * 8;
+      const __m256 d = load_halves(s);
+      const __m256 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, a sub-scale, or sc
+      const __m256 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;  // a sub-scale, or dmin
+      const __m256 scale = kScaledMin<F> ? _mm256_mul_ps(d, second) : d;
+      const __m256 min =
+          kScaledMin<F> ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(third, load_halves(s + 3 * kGroupRows)))
+                        : second;
+      for (int i = 0; i < MC; ++i) {
+        const int8_t* x = a.block_quants(m0 + i, b);
+        const int32_t sum = a.sum(m0 + i, b), low_sum = a.low_sum(m0 + i, b);
+        const __m256 low = half_dot<F>(w, x, kIntegerOffset<F> * low_sum);
+        const __m256 high = half_dot<F>(w + 4, x + 16, kIntegerOffset<F> * (sum - low_sum));
+        const __m256 dot = F == kQ6_K ? _mm256_add_ps(_mm256_mul_ps(low, second), _mm256_mul_ps(high, third))
+                                      : _mm256_add_ps(low, high);
+        const float dx = a.scale(m0 + i, b);
+        acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[i]);
+        if constexpr (kHasMin<F>)
+          acc[i] = _mm256_fmadd_ps(min, _mm256_set1_ps(dx * static_cast<float>(sum)), acc[i]);
+      }
+    }
+    for (int i = 0; i < MC; ++i) _mm256_storeu_ps(sums[i] + half * 8, acc[i]);
+  }
+}
+
+#else
+
+// Quant i (0..31) of row r of a packed block, its offset subtracted (Q4_1's m is added apart).
+template <int64_t F>
+inline int32_t quant_at(const uint8_t* block, int64_t r, int64_t i) {
+  const int64_t k = kBytePerQuant<F> ? i : i % 16, nibble = kBytePerQuant<F> ? 0 : i / 16;
+  return signed_quant<F>(block[(k / kWordBytes) * kWordRowBytes + r * kWordBytes + k % kWordBytes] >> (4 * nibble));
+}
+
+// Plain loops over quant_at, for CPUs with neither: the same integer dots and the same float steps.
+template <int64_t F, int MC>
+void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
+                float (*sums)[kGroupRows]) {
+  for (int i = 0; i < MC; ++i) std::fill(sums[i], sums[i] + kGroupRows, 0.f);
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* block = quants + b * kWords<F> * kWordRowBytes;
+    const uint16_t* s = scales + b * kScales<F> * kGroupRows;
+    for (int i = 0; i < MC; ++i) {
+      const int8_t* x = a.block_quants(m0 + i, b);
+      const float dx = a.scale(m0 + i, b);
+      for (int64_t r = 0; r < kGroupRows; ++r) {
+        int32_t halves[2] = {0, 0};
+        for (int64_t e = 0; e < kBlock; ++e) halves[e / 16] += quant_at<F>(block, r, e) * x[e];
+        const float low = static_cast<float>(halves[0]), high = static_cast<float>(halves[1]);
+        const float dot =
+            F == kQ6_K ? low * half_to_float(s[kGroupRows + r]) + high * half_to_float(s[2 * kGroupRows + r])
+                       : low + high;
+        const float d = half_to_float(s[r]), scale = kScaledMin<F> ? d * half_to_float(s[kGroupRows + r]) : d;
+        sums[i][r] += dot * (scale * dx);
+        if constexpr (kHasMin<F>) {
+          const float min = F == kQ4_1 ? half_to_float(s[kGroupRows + r])
+                                       : -(half_to_float(s[2 * kGroupRows + r]) * half_to_float(s[3 * kGroupRows + r]));
+          sums[i][r] += min * (dx * static_cast<float>(a.sum(m0 + i, b)));
+        }
+      }
+    }
+  }
+}
+
+#endif
+
+// All activation rows against one group, kRowsPerPass rows per pass over the group's weights (which
+// stay in L1/L2 after the first pass: memory is read once a call).
+template <int64_t F>
+void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a,
+                   int64_t rows, int64_t first_out, int64_t valid_out, int64_t out_features, float* out) {
+  float sums[kRowsPerPass][kGroupRows];
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
+    const int64_t count = std::min(kRowsPerPass, rows - m0);
+    switch (count) {
+      case 1: gemv_group<F, 1>(quants, scales, a, m0, sums); break;
+      case 2: gemv_group<F, 2>(quants, scales, a, m0, sums); break;
+      case 3: gemv_group<F, 3>(quants, scales, a, m0, sums); break;
+      default: gemv_group<F, 4>(quants, scales, a, m0, sums); break;
+    }
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(out + (m0 + i) * out_features + first_out, sums[i], valid_out * sizeof(float));
+  }
+}
+
+static_assert(kRowsPerPass == 4, "gemv_all_rows dispatches passes of 1 to 4 rows");
+
+at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, int64_t format,
+                      int64_t out_features) {
+  check_packed(quants, scales, format, "quant_gemv");
+  TORCH_CHECK(quants.size(0) == (out_features + kGroupRows - 1) / kGroupRows, "quant_gemv: ", quants.size(0),
+              " groups of ", kGroupRows, " rows do not hold ", out_features, " rows");
+  const int64_t in_features = quants.size(1) * kBlock;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "quant_gemv: x must be [rows, ", in_features, "], got ",
+              x.sizes());
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const int64_t rows = x32.size(0), groups = quants.size(0), blocks = quants.size(1);
+  at::Tensor out = at::empty({rows, out_features}, x32.options());
+  if (rows == 0) return out;
+  const QuantizedActivations a = quantize_activations(x32.const_data_ptr<float>(), rows, in_features);
+  const uint8_t* q = quants.const_data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
+  float* o = out.mutable_data_ptr<float>();
+  const int64_t group_bytes = blocks * quants.size(2), group_scales = blocks * scales.size(2) * kGroupRows;
+  dispatch_format(format, [&](auto format_tag) {
+    constexpr int64_t F = decltype(format_tag)::value;
+    // Grain 1: parallel_for splits the groups into one equal range per thread.
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g)
+        gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, a, rows, g * kGroupRows,
+                         std::min(kGroupRows, out_features - g * kGroupRows), out_features, o);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(raypage, m) {
+  m.def("quant_pack(Tensor raw, int ggml_type, int out_features, int in_features) -> (Tensor, Tensor)");
+  m.def("quant_gemv(Tensor x, Tensor quants, Tensor scales, int ggml_type, int out_features) -> Tensor");
+  m.def(
+      "quant_dequantize(Tensor quants, Tensor scales, int ggml_type, int first_row, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(raypage, CPU, m) {
+  m.impl("quant_pack", &quant_pack);
+  m.impl("quant_gemv", &quant_gemv);
+  m.impl("quant_dequantize", &quant_dequantize);
+}
