@@ -68,6 +68,12 @@ class ModelConfig(_Section):
     dtype: DType = Field(
         "auto", description="Weight and activation dtype; auto picks the checkpoint's 16-bit type"
     )
+    quantization: Literal["none", "strict"] | None = Field(
+        None,
+        description="GGUF projections stay in their blocks on the CPU where the kernels read the format "
+        "(Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; others dequantized with a warning); none: dequantize "
+        "every tensor at load; strict: refuse a projection the kernels do not read",
+    )
     seed: int = Field(0, description="Seed of the random sampler for requests without their own seed")
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt plus output, in tokens; defaults to the model's context"

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from kernels.build import cpu_kernels_available
 from kernels.fused_ops import silu_and_mul
+from kernels.gguf_blocks import BlockLinearWeight
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _PANEL_COLUMNS = 16  # the packed form's output sizes come in multiples of one vector of 16 floats
@@ -95,8 +96,12 @@ def prepare_weight(weight: torch.Tensor, form: WeightForm, shards: int = 1) -> t
     return weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b in x's dtype, for a weight in any of `prepare_weight`'s forms."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | BlockLinearWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x W^T + b in x's dtype, for a weight in any of `prepare_weight`'s forms or in GGUF blocks."""
+    if isinstance(weight, BlockLinearWeight):
+        return weight.linear(x, bias)
     if weight.dim() == 4:  # packed panels
         return torch.ops.raypage.panel_linear(x, weight, bias)
     if weight.is_mkldnn:
@@ -107,11 +112,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def silu_and_mul_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | BlockLinearWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """silu(gate) * up of the projection x W^T + b = [gate | up] ([..., 2d] -> [..., d]). With W in
     panels of two shards and no bias, one kernel call whose epilogue applies the SiLU and the product,
     rounding where `silu_and_mul` does; otherwise the projection, then `silu_and_mul`."""
-    if weight.dim() == 4 and weight.shape[0] == 2 and bias is None:
+    if isinstance(weight, torch.Tensor) and weight.dim() == 4 and weight.shape[0] == 2 and bias is None:
         return torch.ops.raypage.panel_silu_and_mul(x, weight)
     return silu_and_mul(linear(x, weight, bias))

@@ -8,11 +8,13 @@ all-reduce the partial sums); the embedding and LM head split the vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.gguf_blocks import BlockLinearWeight, GGUFBlocks
 from kernels.linear import WeightForm, best_weight_form, linear, prepare_weight, silu_and_mul_linear
 from parallel.comm import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from parallel.state import get_parallel_state
@@ -32,6 +34,21 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
             f"{name}: checkpoint slice has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
         )
     param.data.copy_(loaded)
+
+
+def _copy_rows(
+    layer: _PreparableLinear, param: torch.Tensor, offset: int, size: int, loaded: Any, name: str
+) -> None:
+    """Fill rows [offset, offset + size) of a linear layer's weight (or bias) from `loaded`; GGUF
+    blocks are kept as they are, for the layer to pack once it has all its rows (`prepare`)."""
+    if not isinstance(loaded, GGUFBlocks):
+        _copy_checked(param.data.narrow(0, offset, size), loaded, name)
+        return
+    if loaded.shape != (size, param.shape[1]):
+        raise ValueError(
+            f"{name}: checkpoint slice has shape {loaded.shape}, expected {(size, param.shape[1])}"
+        )
+    layer.weight_blocks[offset] = loaded
 
 
 def _shard(loaded: torch.Tensor, dim: int, index: int, size: int, parts: int, name: str) -> torch.Tensor:
@@ -75,17 +92,37 @@ class _PreparableLinear(_TensorParallelModule):
     """A linear layer whose loaded weight can be kept in the form this CPU multiplies by fastest
     (see kernels/linear.py)."""
 
-    weight: nn.Parameter
+    weight: nn.Parameter | BlockLinearWeight
     # Blocks of output rows the weight stacks, each packed on its own (kernels/linear.py).
     weight_shards = 1
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Rows loaded as GGUF blocks, by their first row; packed by `prepare`.
+        self.weight_blocks: dict[int, GGUFBlocks] = {}
+
     def prepare(self, form: WeightForm | None = None) -> None:
-        """Keep the weight in `form` (by default this machine's fastest for it); call after loading."""
+        """Keep the weight in `form` (by default this machine's fastest for it), or multiply from its
+        GGUF blocks where it was loaded as such; call after loading."""
+        if self.weight_blocks and self._keep_blocks():
+            return
         form = form or best_weight_form(self.weight, self.weight_shards)
         if form is not WeightForm.PLAIN:
             self.weight = nn.Parameter(
                 prepare_weight(self.weight, form, self.weight_shards), requires_grad=False
             )
+
+    def _keep_blocks(self) -> bool:
+        """Replace the weight by its GGUF blocks, packed, where every row came as blocks; otherwise
+        (a part in a format without a kernel came dequantized) widen the blocks into the weight."""
+        blocks, self.weight_blocks = self.weight_blocks, {}
+        if sum(part.shape[0] for part in blocks.values()) == self.weight.shape[0]:
+            del self.weight  # never written: its pages were never touched
+            self.weight = BlockLinearWeight([blocks[offset] for offset in sorted(blocks)])
+            return True
+        for offset, part in blocks.items():
+            self.weight.data.narrow(0, offset, part.shape[0]).copy_(part.dequantize())
+        return False
 
 
 class ColumnParallelLinear(_PreparableLinear):
@@ -103,7 +140,7 @@ class ColumnParallelLinear(_PreparableLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[0]
         name = "column-parallel weight"
-        _copy_checked(param, _shard(loaded, 0, self.tp_rank, size, self.tp_size, name), name)
+        _copy_rows(self, param, 0, size, _shard(loaded, 0, self.tp_rank, size, self.tp_size, name), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -128,11 +165,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _copy_checked(
-            param.data.narrow(0, offset, size),
-            _shard(loaded, 0, self.tp_rank, size, self.tp_size, f"merged column shard {shard_id}"),
-            f"merged column shard {shard_id}",
-        )
+        name = f"merged column shard {shard_id}"
+        _copy_rows(self, param, offset, size, _shard(loaded, 0, self.tp_rank, size, self.tp_size, name), name)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate, up] projection (this rank's slices of both): a gated MLP's
@@ -184,11 +218,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size, rank = self.kv_size, self.tp_rank // self.kv_replicas
-        _copy_checked(
-            param.data.narrow(0, offset, size),
-            _shard(loaded, 0, rank, size, self.tp_size // (1 if shard_id == "q" else self.kv_replicas), name),
-            name,
-        )
+        parts = self.tp_size // (1 if shard_id == "q" else self.kv_replicas)
+        _copy_rows(self, param, offset, size, _shard(loaded, 0, rank, size, parts, name), name)
 
 
 class RowParallelLinear(_PreparableLinear):
@@ -205,7 +236,9 @@ class RowParallelLinear(_PreparableLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[1]
         name = "row-parallel weight"
-        _copy_checked(param, _shard(loaded, 1, self.tp_rank, size, self.tp_size, name), name)
+        _copy_rows(
+            self, param, 0, param.shape[0], _shard(loaded, 1, self.tp_rank, size, self.tp_size, name), name
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = tensor_parallel_all_reduce(linear(x, self.weight))
@@ -223,11 +256,21 @@ class VocabParallelEmbedding(_TensorParallelModule):
         self.vocab_end = min(self.vocab_start + self.per_partition, num_embeddings)
         self.weight = _parameter((self.per_partition, embedding_dim), self.weight_loader, dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    # Whether the layer looks rows up (an embedding; an untied LM head only multiplies by them).
+    needs_table = True
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
         if loaded.shape[0] != self.num_embeddings:
             raise ValueError(
                 f"vocabulary: checkpoint has {loaded.shape[0]} rows, config says {self.num_embeddings}"
             )
+        if isinstance(loaded, GGUFBlocks):
+            # Kept on the parameter for an LM head to multiply by, a tied one too (on one rank: a
+            # split vocabulary pads its last shard).
+            param.gguf_blocks = loaded if self.tp_size == 1 else None  # type: ignore[attr-defined]
+            if param.gguf_blocks is not None and not self.needs_table:  # type: ignore[attr-defined]
+                return
+            loaded = loaded.dequantize()
         rows = self.vocab_end - self.vocab_start
         param.data.zero_()
         _copy_checked(param.data[:rows], loaded[self.vocab_start : self.vocab_end], "embedding")
@@ -245,9 +288,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection onto a vocabulary split like the embedding; logits gathered for sampling."""
 
     is_tied = False  # whether the weight is the embedding's own (tie_word_embeddings)
+    needs_table = False
 
     # A prepared copy of a weight tied to the embedding, whose lookups need the plain table.
-    tied_logits_weight: torch.Tensor | None = None
+    tied_logits_weight: torch.Tensor | BlockLinearWeight | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -255,7 +299,17 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def prepare(self, form: WeightForm | None = None) -> None:
         """Keep the weight in `form` (by default this machine's fastest for it), or a copy in that
-        form when the embedding shares it."""
+        form when the embedding shares it; multiply by the checkpoint's GGUF blocks where they
+        were kept."""
+        blocks = getattr(self.weight, "gguf_blocks", None)
+        if blocks is not None:
+            packed = BlockLinearWeight([blocks])
+            if self.is_tied:
+                self.tied_logits_weight = packed
+            else:
+                del self.weight  # never written: its pages were never touched
+                self.weight = packed
+            return
         form = form or best_weight_form(self.weight)
         if form is WeightForm.PLAIN:
             return
@@ -275,3 +329,6 @@ def prepare_linear_weights(model: nn.Module, form: WeightForm | None = None) -> 
     for module in model.modules():
         if isinstance(module, (_PreparableLinear, ParallelLMHead)):
             module.prepare(form)
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and isinstance(module.weight, nn.Parameter):
+            module.weight.gguf_blocks = None  # packed where an LM head uses them; the file's pages go

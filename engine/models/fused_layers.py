@@ -78,8 +78,8 @@ class FusedDecoderLayer:
         )
 
 
-def _in_panels(weight: torch.Tensor, shards: int = 1) -> bool:
-    return weight.dim() == 4 and weight.shape[0] == shards
+def _in_panels(weight: object, shards: int = 1) -> bool:
+    return isinstance(weight, torch.Tensor) and weight.dim() == 4 and weight.shape[0] == shards
 
 
 def fusable(layer: DecoderLayer, attention_backend: AttentionBackend, block_size: int) -> bool:

@@ -3,7 +3,7 @@
 `gguf.GGUFReader` materializes every array in the header as numpy views, which for a tokenizer of
 50k tokens and merges takes seconds per open. Model loading needs only the scalar settings, the
 length of the token list and where each tensor's bytes are, so this reader skips array contents.
-Dequantization is still `gguf.quants.dequantize`.
+Dequantization is gguf-py's (kernels/gguf_blocks.py).
 """
 
 from __future__ import annotations
@@ -15,17 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, quant_shape_to_byte_shape, quants
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType, quant_shape_to_byte_shape
+
+from kernels.gguf_blocks import dequantize_blocks
 
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _DEFAULT_ALIGNMENT = 32
-# Block formats that gguf dequantizes without lookup grids (the i-quants set theirs up in `dequantize`).
-_WHOLE_TENSOR_TYPES = frozenset(
-    {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +79,21 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
+    def raw_blocks(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The tensor's bytes as stored (uint8, its rows in numpy order, a view of the file's map);
+        ValueError naming the tensor where the file ends before them."""
+        byte_shape = quant_shape_to_byte_shape(info.shape, info.qtype)
+        size = int(np.prod(byte_shape))
+        if info.offset + size > len(self._map):
+            raise ValueError(
+                f"{self.path}: tensor {info.name!r} ({info.qtype.name}, shape {list(info.shape)}) needs "
+                f"bytes up to {info.offset + size}, but the file ends at {len(self._map)} (truncated?)"
+            )
+        return np.frombuffer(self._map, dtype=np.uint8, count=size, offset=info.offset).reshape(byte_shape)
+
     def dequantize(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor as float32 in numpy order (a fresh, writable array)."""
-        byte_shape = quant_shape_to_byte_shape(info.shape, info.qtype)
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=int(np.prod(byte_shape)), offset=info.offset)
-        if info.qtype.name in _WHOLE_TENSOR_TYPES:
-            # The whole tensor in one numpy pass: gguf's own `dequantize` goes 16 rows at a time, a
-            # third of a load's seconds in Python overhead for a small model.
-            values = getattr(quants, info.qtype.name).dequantize_rows(raw.reshape(byte_shape))
-        else:
-            values = dequantize(raw.reshape(byte_shape), info.qtype)
-        return values if values.flags.writeable else values.copy()
+        return dequantize_blocks(self.raw_blocks(info), info.qtype)
 
     def _read(self, fmt: str) -> Any:
         (value,) = struct.unpack_from("<" + fmt, self._map, self._pos)

@@ -13,15 +13,23 @@ hidden], ...); they are read as the stacked `mlp.experts.gate_proj` etc., which 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from engine.models.arch_config import ArchConfig, layer_types_of
-from engine.models.gguf_file import GGUFFile
+from engine.models.gguf_file import GGUFFile, GGUFTensorInfo
+from kernels.gguf_blocks import GGUFBlocks
+from kernels.quant_linear import supported_ggml_types
+
+logger = logging.getLogger(__name__)
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -49,6 +57,10 @@ _GEMMA_NORMS = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# The attention and MLP projections, the LM head and the embedding (an LM head tied to it
+# multiplies by its blocks): kept in their blocks where the kernels read the format.
+_KEPT_IN_BLOCKS = re.compile(r"(_proj|^lm_head|^model\.embed_tokens)\.weight$")
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -194,8 +206,10 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def iterate_gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor in the file, dequantized one at a time."""
+def iterate_gguf_weights(path: Path, quantization: str | None = "none") -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, tensor) for every tensor in the file, one at a time: the attention and MLP
+    projections as `GGUFBlocks` where the quantized kernels read their format (`quantization`
+    None or "strict"), every other tensor dequantized to float32."""
     gguf = GGUFFile(path)
     arch = _architecture(gguf)
     num_heads = gguf.get(f"{arch}.attention.head_count")
@@ -203,11 +217,48 @@ def iterate_gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     spec = _ARCHITECTURES[arch]
     for tensor in gguf.tensors:
         name = _hf_name(tensor.name, spec)
-        values = torch.from_numpy(gguf.dequantize(tensor))
+        values = _read_tensor(gguf, tensor, name, quantization)
         if spec.permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            values = unpermute_rotary_rows(values, num_heads)
+            values = _unpermuted(values, num_heads)
         elif spec.permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            values = unpermute_rotary_rows(values, num_kv_heads)
+            values = _unpermuted(values, num_kv_heads)
         elif spec.norms_plus_one and name.endswith("norm.weight"):
             values = values - 1.0  # back to the checkpoint's weight (exact: the file's value is near 1)
         yield name, values
+
+
+def _read_tensor(gguf: GGUFFile, tensor: GGUFTensorInfo, name: str, quantization: str | None) -> Any:
+    """A projection's blocks as the file holds them where the kernels multiply by them, else its
+    values; a projection in a block format without a kernel is dequantized with a warning, or
+    refused with quantization "strict"."""
+    if quantization != "none" and _KEPT_IN_BLOCKS.search(name) and len(tensor.shape) == 2:
+        if tensor.qtype in supported_ggml_types():
+            return GGUFBlocks(_file_view(gguf.raw_blocks(tensor)), int(tensor.qtype), tensor.shape)
+        if tensor.qtype not in _FLOAT_TYPES:
+            if quantization == "strict":
+                raise ValueError(
+                    f"{gguf.path}: tensor {tensor.name!r} is {tensor.qtype.name}, which the quantized "
+                    f"kernels do not read (quantization strict); they read "
+                    f"{', '.join(supported_ggml_types().values())}"
+                )
+            logger.warning(
+                "%s: tensor %s is %s, which the quantized kernels do not read: loaded dequantized",
+                gguf.path.name,
+                tensor.name,
+                tensor.qtype.name,
+            )
+    return torch.from_numpy(gguf.dequantize(tensor))
+
+
+def _file_view(raw: np.ndarray) -> torch.Tensor:
+    """A read-only view of bytes in the file's map as a tensor: no copy (the layers read it once,
+    packing it), and its pages are the page cache's, not the process's own memory."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(raw)
+
+
+def _unpermuted(values: Any, num_heads: int) -> Any:
+    if isinstance(values, GGUFBlocks):  # rows are whole blocks: permuting them permutes the weight's rows
+        return values.with_rows(unpermute_rotary_rows(values.raw, num_heads))
+    return unpermute_rotary_rows(values, num_heads)

@@ -6,6 +6,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -14,6 +15,7 @@ from torch import nn
 from engine.models.arch_config import ArchConfig
 from engine.models.model_files import ModelSource
 from engine.models.registry import get_model_class
+from kernels.build import cpu_kernels_available
 from parallel.layers import prepare_linear_weights
 
 logger = logging.getLogger(__name__)
@@ -35,12 +37,28 @@ def iterate_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tenso
                 yield name, reader.get_tensor(name)
 
 
-def iterate_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(source: ModelSource, quantization: str | None = "none") -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors by Hugging Face name; a GGUF file's projections in their blocks
+    unless `quantization` is "none" (engine/models/gguf_loader.py)."""
     if source.format == "gguf":
         from engine.models.gguf_loader import iterate_gguf_weights
 
-        return iterate_gguf_weights(source.path)
+        return iterate_gguf_weights(source.path, quantization)
     return iterate_safetensors_weights(source.path)
+
+
+def weight_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> str | None:
+    """`quantization` where the quantized kernels run (bf16 activations on the CPU, compiled
+    kernels), else "none": GGUF blocks are then dequantized at load. float32 runs (the parity
+    settings) compute with the file's exact values; "strict" anywhere else is an error."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels_available():
+        return quantization
+    if quantization == "strict" and dtype != torch.float32:
+        raise ValueError(
+            "quantization strict: the quantized kernels take bfloat16 activations on the CPU with "
+            f"raypage's compiled kernels, not {dtype} on {device.type}"
+        )
+    return "none"
 
 
 def load_model(
@@ -49,12 +67,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     pipeline_partition: list[int] | None = None,
+    quantization: str | None = "none",
 ) -> nn.Module:
-    """Instantiate this rank's shard of the model in `dtype` on `device` and fill it from the checkpoint."""
+    """Instantiate this rank's shard of the model in `dtype` on `device` and fill it from the
+    checkpoint; GGUF projections stay in their blocks unless `quantization` is "none"."""
     model_class = get_model_class(arch.architecture, source.path)
     with torch.device(device):
         model = model_class(arch, dtype, pipeline_partition)
-    model.load_weights(iterate_weights(source))
+    model.load_weights(iterate_weights(source, weight_quantization(quantization, device, dtype)))
     prepare_linear_weights(model)
     logger.info("loaded %s (%s, %s) from %s", arch.architecture, dtype, device, source.path)
     return model.eval()

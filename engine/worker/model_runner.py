@@ -79,6 +79,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             self.config.parallel.pipeline_partition,
+            self.config.model.quantization,
         )
         fused = fuse_decoder_layers(self.model, self.attention_backend, self.block_size)
         if fused:

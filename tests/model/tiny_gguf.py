@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -26,6 +27,7 @@ _GGUF_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
     "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA,
+    "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA,
 }
 # One expert's projection, by Hub names (Qwen's and Mixtral's).
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
@@ -45,7 +47,7 @@ def _converted_tensors(folder: Path, config: dict) -> dict[str, np.ndarray]:
     stacked under `...experts.<projection>.weight` and Llama's Q/K rows permuted."""
     tensors: dict[str, np.ndarray] = {}
     experts: defaultdict[str, dict[int, np.ndarray]] = defaultdict(dict)
-    llama = config["architectures"][0] == "MixtralForCausalLM"
+    llama = config["architectures"][0] in ("MixtralForCausalLM", "LlamaForCausalLM")
     for name, tensor in load_file(folder / "model.safetensors").items():
         values = tensor.to(torch.float32).numpy()
         if match := _EXPERT.match(name):
@@ -83,8 +85,15 @@ def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
         writer.add_key_value(name, field.contents(), value_type, sub_type)
 
 
-def write_gguf(folder: Path, config: dict, target: Path) -> Path:
-    """`folder`'s safetensors (described by its config.json `config`) as a float32 GGUF at `target`."""
+def write_gguf(
+    folder: Path,
+    config: dict,
+    target: Path,
+    block_format: Callable[[str], gguf.GGMLQuantizationType | None] = lambda name: None,
+) -> Path:
+    """`folder`'s safetensors (described by its config.json `config`) as a GGUF at `target`: float32,
+    but for the tensors `block_format` names a block format for (by Hugging Face name), quantized
+    with gguf-py as llama.cpp's quantizer stores them."""
     architecture = config["architectures"][0]
     arch = _GGUF_ARCHITECTURES[architecture]
     name = gguf.MODEL_ARCH_NAMES[arch]
@@ -119,7 +128,10 @@ def write_gguf(folder: Path, config: dict, target: Path) -> Path:
             raise ValueError(f"gguf-py has no name for {hf_name}")
         if gemma and hf_name.endswith("norm.weight"):
             tensor = tensor + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + weight
-        writer.add_tensor(gguf_name, tensor)
+        if (qtype := block_format(hf_name)) is not None:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
