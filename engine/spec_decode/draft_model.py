@@ -65,6 +65,9 @@ class DraftModel:
         with set_forward_context(meta, self.cache_engine.kv_caches, self.backend):
             return self.model(input_ids, positions, None)
 
+    # All on this rank alone: the draft's layers and its LM head are whole here, and the other
+    # ranks of a tensor-parallel target take no part in any of its collectives.
+    @single_rank()
     def propose(
         self,
         input_ids: torch.Tensor,
@@ -74,20 +77,7 @@ class DraftModel:
         block_rows: np.ndarray,
     ) -> list[list[int]]:
         """Run the draft over the step's tokens, then propose k tokens after each of `newest`
-        ((token, its position) of a proposing sequence, whose block table is that row of `block_rows`).
-        All on this rank alone: the draft's layers and its LM head are whole here, and the other
-        ranks of a tensor-parallel target take no part in any of its collectives."""
-        with single_rank():
-            return self._propose(input_ids, positions, meta, newest, block_rows)
-
-    def _propose(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        newest: list[tuple[int, int]],
-        block_rows: np.ndarray,
-    ) -> list[list[int]]:
+        ((token, its position) of a proposing sequence, whose block table is that row of `block_rows`)."""
         self._forward(input_ids, positions, meta)
         if not newest:
             return []
