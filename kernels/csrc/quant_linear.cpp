@@ -19,12 +19,14 @@
 // one vector of int32 lanes per group: lane r is output row r. The quants of a (group, block of 32)
 // are the rows' quant bytes cut into 4-byte words, word j of every row together: bytes [j][r][4], so
 // one 64-byte load holds 4 consecutive quant bytes of all 16 rows, exactly what one `vpdpbusd`
-// multiplies by 4 activation bytes broadcast to every lane. Q8_0, Q5_K and Q6_K keep a byte a quant
-// (8 words a block), Q4_0, Q4_1 and Q4_K a nibble (4 words: word j's low nibbles are quants 4j..4j+3,
-// its high nibbles quants 16+4j..16+4j+3, GGUF's own order for blocks of 32). The scales of a
-// (group, block) are 16 float16 each of: d; d, m (Q4_1); d, sc, sc' (Q6_K, a sub-scale per 16);
-// d, sc, dmin, m (Q4_K, Q5_K). float16 because a decode step is bound by the bytes it reads (16 of
-// them convert in one instruction), and the K-quants' small integers are exact in it.
+// multiplies by 4 activation bytes broadcast to every lane. Q8_0 keeps a byte a quant (8 words a
+// block), the others a nibble (4 words: word j's low nibbles are quants 4j..4j+3, its high nibbles
+// quants 16+4j..16+4j+3, GGUF's own order for blocks of 32), and Q5_K and Q6_K the quants' high bits
+// in 1 or 2 words more (read_block says where). The scales of a (group, block) are 16 float16 each
+// of: d; d, m (Q4_1); d, sc, sc' (Q6_K, a sub-scale per 16); d, sc, dmin, m (Q4_K, Q5_K). float16
+// because a decode step is bound by the bytes it reads (16 of them convert in one instruction), and
+// the K-quants' small integers are exact in it. The K-quants' d and dmin repeat for each block of
+// 32, which costs them bytes: Q4_K 0.75 a weight (the file's 0.56), Q5_K 0.88 (0.69), Q6_K 0.94 (0.82).
 //   quants: uint8 [groups, blocks, words * 64], scales: float16 [groups, blocks, 1 to 4, 16]
 //
 // Arithmetic of the decode path: each row of x is quantized per block of 32 to int8 q_x with a
@@ -44,6 +46,7 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -77,19 +80,24 @@ Layout layout_of(int64_t format) {
     case kQ4_1: return {32, 20, 2, 4};
     case kQ8_0: return {32, 34, 1, 8};
     case kQ4_K: return {256, 144, 4, 4};
-    case kQ5_K: return {256, 176, 4, 8};
-    case kQ6_K: return {256, 210, 3, 8};
+    case kQ5_K: return {256, 176, 4, 5};
+    case kQ6_K: return {256, 210, 3, 6};
     default:
       TORCH_CHECK(false, "quant_linear: unsupported ggml type ", format,
                   " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
   }
 }
 
-// Q8_0 and Q6_K keep a byte a quant (8 words a block), Q4 formats a nibble (4 words).
+// Q8_0 keeps a byte a quant (8 words a block), the others a nibble (4 words), and Q5_K and Q6_K
+// their quants' fifth, or fifth and sixth, bits in 1 or 2 words more.
 template <int64_t F>
-constexpr bool kBytePerQuant = F == kQ8_0 || F == kQ5_K || F == kQ6_K;
+constexpr bool kBytePerQuant = F == kQ8_0;
 template <int64_t F>
-constexpr int64_t kWords = kBytePerQuant<F> ? 8 : 4;
+constexpr int kHighBits = F == kQ5_K ? 1 : F == kQ6_K ? 2 : 0;
+template <int64_t F>
+constexpr int64_t kLowWords = kBytePerQuant<F> ? 8 : 4;  // the words of each quant's low byte or nibble
+template <int64_t F>
+constexpr int64_t kWords = kLowWords<F> + kHighBits<F>;  // layout_of(F).words
 template <int64_t F>
 constexpr int kNibbles = kBytePerQuant<F> ? 1 : 2;
 template <int64_t F>
@@ -188,10 +196,17 @@ PackedBlock read_block(int64_t format, const Layout& layout, const uint8_t* row,
   }
   uint8_t q[kBlock];
   read_k_block(format, row + (b / 8) * layout.raw_block_bytes, b % 8, q, packed.scales);
-  if (layout.words == 8) {
-    std::memcpy(packed.quants, q, kBlock);
-  } else {  // nibbles as GGUF's 32-blocks have them: byte e holds weights e and 16 + e
-    for (int64_t e = 0; e < 16; ++e) packed.quants[e] = q[e] | q[16 + e] << 4;
+  // Nibbles as GGUF's 32-blocks have them: byte e holds quants e and 16 + e, so word j's byte e
+  // holds quants 4j + e + 16 * nibble. Then for Q5_K and Q6_K the high bits: quant 4j + e + 16 * n
+  // has number u = j + 4n (0..7), and its bits are bits hb * (u % (8 / hb)) on of byte e of high
+  // word u / (8 / hb), hb the high bits a quant.
+  for (int64_t e = 0; e < 16; ++e) packed.quants[e] = (q[e] & 0x0F) | (q[16 + e] & 0x0F) << 4;
+  const int64_t high_bits = layout.words - 4, per_word = high_bits ? 8 / high_bits : 0;
+  for (int64_t u = 0; u < 8 && high_bits; ++u) {
+    for (int64_t e = 0; e < kWordBytes; ++e) {
+      const int64_t quant = 4 * (u % 4) + e + 16 * (u / 4);
+      packed.quants[16 + kWordBytes * (u / per_word) + e] |= (q[quant] >> 4) << (high_bits * (u % per_word));
+    }
   }
   return packed;
 }
@@ -251,20 +266,48 @@ inline void store_lanes(const float* values, int64_t count, T* out) {
 // the build contracts no multiply-adds; d times Q6_K's sub-scale or the K-quants' sc first, and
 // dmin * m subtracted). Word j of a row holds quants 4j..4j+3 (a byte each: byte e is quant 4j+e)
 // or, in nibbles, quants 4j..4j+3 and 16+4j..16+4j+3 (byte e's low nibble, then its high one).
+// Where quant 4j + e + 16 * nibble keeps its high bits (Q5_K, Q6_K): word kLowWords + the first,
+// from the bit the second on, in byte e (see read_block).
 template <int64_t F>
-inline int32_t signed_quant(uint32_t bits) {  // bits: the quant in the lowest byte or nibble
-  if constexpr (F == kQ8_0) return static_cast<int8_t>(bits & 0xFF);
-  return static_cast<int32_t>(bits & (kBytePerQuant<F> ? 0xFF : 0x0F)) - kQuantOffset<F>;
+constexpr std::pair<int64_t, int> high_bits_at(int64_t j, int nibble) {
+  constexpr int per_word = 8 / kHighBits<F>;
+  const int u = static_cast<int>(j) + 4 * nibble;
+  return {kLowWords<F> + u / per_word, kHighBits<F> * (u % per_word)};
+}
+
+inline uint32_t load_word(const uint8_t* block, int64_t j, int64_t r) {
+  uint32_t word;
+  std::memcpy(&word, block + j * kWordRowBytes + r * kWordBytes, kWordBytes);
+  return word;
+}
+
+// Quant 4j + e + 16 * nibble of row r of a packed block, its offset subtracted.
+template <int64_t F>
+inline int32_t quant_of(const uint8_t* block, int64_t r, int64_t j, int e, int nibble) {
+  if constexpr (F == kQ8_0) return static_cast<int8_t>(load_word(block, j, r) >> (8 * e));
+  uint32_t q = (load_word(block, j, r) >> (8 * e + 4 * nibble)) & 0x0F;
+  if constexpr (kHighBits<F> > 0) {
+    const auto [word, bit] = high_bits_at<F>(j, nibble);
+    q |= ((load_word(block, word, r) >> (8 * e + bit)) & ((1u << kHighBits<F>) - 1)) << 4;
+  }
+  return static_cast<int32_t>(q) - kQuantOffset<F>;
 }
 
 #if defined(__AVX512F__)
 
+// quant_of for all 16 rows of a group, `words` its block's words.
 template <int64_t F>
-inline __m512i quants_of(__m512i words, int e, int nibble) {
+inline __m512i quants_of(const __m512i* words, int64_t j, int e, int nibble) {
   if constexpr (F == kQ8_0)  // byte e to the top, then back down with its sign
-    return _mm512_srai_epi32(_mm512_sllv_epi32(words, _mm512_set1_epi32(24 - 8 * e)), 24);
-  const __m512i bits = _mm512_srlv_epi32(words, _mm512_set1_epi32(8 * e + 4 * nibble));
-  const __m512i q = _mm512_and_si512(bits, _mm512_set1_epi32(kBytePerQuant<F> ? 0xFF : 0x0F));
+    return _mm512_srai_epi32(_mm512_sllv_epi32(words[j], _mm512_set1_epi32(24 - 8 * e)), 24);
+  const __m512i bits = _mm512_srlv_epi32(words[j], _mm512_set1_epi32(8 * e + 4 * nibble));
+  __m512i q = _mm512_and_si512(bits, _mm512_set1_epi32(0x0F));
+  if constexpr (kHighBits<F> > 0) {
+    const auto [word, bit] = high_bits_at<F>(j, nibble);
+    const __m512i high = _mm512_and_si512(_mm512_srlv_epi32(words[word], _mm512_set1_epi32(8 * e + bit)),
+                                          _mm512_set1_epi32((1 << kHighBits<F>) - 1));
+    q = _mm512_or_si512(q, _mm512_slli_epi32(high, 4));
+  }
   return kQuantOffset<F> ? _mm512_sub_epi32(q, _mm512_set1_epi32(kQuantOffset<F>)) : q;
 }
 
@@ -280,14 +323,15 @@ void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_
                    : kScaledMin<F>
                        ? _mm512_mul_ps(load_halves(scales + 2 * kGroupRows), load_halves(scales + 3 * kGroupRows))
                        : _mm512_setzero_ps();
-  for (int64_t j = 0; j < kWords<F>; ++j) {
-    // Q6_K: quants 0..15 have the first sub-scale, 16..31 the second.
-    const __m512 scale =
-        F == kQ6_K ? _mm512_mul_ps(d, load_halves(scales + (j < 4 ? 1 : 2) * kGroupRows)) : block_scale;
-    const __m512i word = _mm512_loadu_si512(block + j * kWordRowBytes);
+  // Q6_K: quants 0..15 (the low nibbles) have the first sub-scale, 16..31 the second.
+  const __m512 sub_scaled[2] = {F == kQ6_K ? _mm512_mul_ps(d, load_halves(scales + kGroupRows)) : block_scale,
+                                F == kQ6_K ? _mm512_mul_ps(d, load_halves(scales + 2 * kGroupRows)) : block_scale};
+  __m512i words[kWords<F>];
+  for (int64_t j = 0; j < kWords<F>; ++j) words[j] = _mm512_loadu_si512(block + j * kWordRowBytes);
+  for (int64_t j = 0; j < kLowWords<F>; ++j) {
     for (int e = 0; e < kWordBytes; ++e) {
       for (int nibble = 0; nibble < kNibbles<F>; ++nibble) {
-        __m512 values = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(quants_of<F>(word, e, nibble)));
+        __m512 values = _mm512_mul_ps(sub_scaled[nibble], _mm512_cvtepi32_ps(quants_of<F>(words, j, e, nibble)));
         if constexpr (F == kQ4_1) values = _mm512_add_ps(values, m);
         if constexpr (kScaledMin<F>) values = _mm512_sub_ps(values, m);
         T* row = out + (kWordBytes * j + e + 16 * nibble) * stride;
@@ -307,18 +351,16 @@ void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_
 
 template <int64_t F, typename T>
 void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
-  for (int64_t j = 0; j < kWords<F>; ++j) {
-    uint32_t word[kGroupRows];
-    std::memcpy(word, block + j * kWordRowBytes, sizeof(word));
+  for (int64_t j = 0; j < kLowWords<F>; ++j) {
     for (int e = 0; e < kWordBytes; ++e) {
       for (int nibble = 0; nibble < kNibbles<F>; ++nibble) {
         float values[kGroupRows];
         for (int64_t r = 0; r < kGroupRows; ++r) {
           const float d = half_to_float(scales[r]);
-          const float scale = F == kQ6_K      ? d * half_to_float(scales[(j < 4 ? 1 : 2) * kGroupRows + r])
+          const float scale = F == kQ6_K      ? d * half_to_float(scales[(1 + nibble) * kGroupRows + r])
                               : kScaledMin<F> ? d * half_to_float(scales[kGroupRows + r])
                                               : d;
-          values[r] = scale * static_cast<float>(signed_quant<F>(word[r] >> (8 * e + 4 * nibble)));
+          values[r] = scale * static_cast<float>(quant_of<F>(block, r, j, e, nibble));
           if constexpr (F == kQ4_1) values[r] += half_to_float(scales[kGroupRows + r]);
           if constexpr (kScaledMin<F>)
             values[r] -= half_to_float(scales[2 * kGroupRows + r]) * half_to_float(scales[3 * kGroupRows + r]);
@@ -421,12 +463,13 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
 
 #if defined(__AVX512VNNI__)
 
-// `vpdpbusd` multiplies unsigned weight bytes by signed activation bytes, 4 a lane. Q4 and Q6_K
-// quants are unsigned already; Q8_0's signed ones are flipped to q + 128 (xor 0x80).
+// `vpdpbusd` multiplies unsigned weight bytes by signed activation bytes, 4 a lane. Q4, Q5_K and
+// Q6_K quants are unsigned already; Q8_0's signed ones are flipped to q + 128 (xor 0x80). w[u] holds
+// quants 4 (u % 4) .. 4 (u % 4) + 3 + 16 (u / 4) of every row, a byte each.
 template <int64_t F>
 inline void load_weights(const uint8_t* block, __m512i (&w)[8]) {
   if constexpr (kBytePerQuant<F>) {
-    const __m512i flip = _mm512_set1_epi8(F == kQ8_0 ? static_cast<char>(0x80) : 0);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(_mm512_loadu_si512(block + j * kWordRowBytes), flip);
   } else {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -434,6 +477,18 @@ inline void load_weights(const uint8_t* block, __m512i (&w)[8]) {
       const __m512i packed = _mm512_loadu_si512(block + j * kWordRowBytes);
       w[j] = _mm512_and_si512(packed, nibble);
       w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+    if constexpr (kHighBits<F> > 0) {
+      // Each quant's high bits to bits 4.. of its byte: 16-bit shifts, whose spill into the
+      // neighbouring byte the mask drops.
+      const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << kHighBits<F>) - 1) << 4));
+      for (int u = 0; u < 8; ++u) {
+        const auto [word, bit] = high_bits_at<F>(u % 4, u / 4);
+        const __m512i high = _mm512_loadu_si512(block + word * kWordRowBytes);
+        const __m512i moved = bit <= 4 ? _mm512_sll_epi16(high, _mm_cvtsi32_si128(4 - bit))
+                                       : _mm512_srl_epi16(high, _mm_cvtsi32_si128(bit - 4));
+        w[u] = _mm512_or_si512(w[u], _mm512_and_si512(moved, mask));
+      }
     }
   }
 }
@@ -487,7 +542,7 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
 #elif defined(__AVX2__)
 
 // `vpmaddubsw` multiplies unsigned by signed bytes into saturating int16 pairs: fine for Q4's 0..15
-// and Q6_K's 0..63, not for Q8_0 flipped to 0..255, so Q8_0 takes the sign trick instead: |q_w|
+// up to Q6_K's 0..63, not for Q8_0 flipped to 0..255, so Q8_0 takes the sign trick instead: |q_w|
 // times q_x with q_w's sign, at most 2 * 128 * 127 a pair. 8 int32 lanes a vector: a group is two
 // halves of 8 rows.
 template <int64_t F>
@@ -501,6 +556,16 @@ inline void load_weights(const uint8_t* block, int half, __m256i (&w)[8]) {
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * kWordRowBytes));
       w[j] = _mm256_and_si256(packed, nibble);
       w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    }
+    if constexpr (kHighBits<F> > 0) {  // as the AVX-512 load_weights
+      const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << kHighBits<F>) - 1) << 4));
+      for (int u = 0; u < 8; ++u) {
+        const auto [word, bit] = high_bits_at<F>(u % 4, u / 4);
+        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + word * kWordRowBytes));
+        const __m256i moved = bit <= 4 ? _mm256_sll_epi16(high, _mm_cvtsi32_si128(4 - bit))
+                                       : _mm256_srl_epi16(high, _mm_cvtsi32_si128(bit - 4));
+        w[u] = _mm256_or_si256(w[u], _mm256_and_si256(moved, mask));
+      }
     }
   }
 }
@@ -562,11 +627,11 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
 
 #else
 
-// Quant i (0..31) of row r of a packed block, its offset subtracted (Q4_1's m is added apart).
+// Quant i (0..31) of row r of a packed block, its offset subtracted (a min is added apart).
 template <int64_t F>
 inline int32_t quant_at(const uint8_t* block, int64_t r, int64_t i) {
-  const int64_t k = kBytePerQuant<F> ? i : i % 16, nibble = kBytePerQuant<F> ? 0 : i / 16;
-  return signed_quant<F>(block[(k / kWordBytes) * kWordRowBytes + r * kWordBytes + k % kWordBytes] >> (4 * nibble));
+  const int64_t k = kBytePerQuant<F> ? i : i % 16;
+  return quant_of<F>(block, r, k / kWordBytes, static_cast<int>(k % kWordBytes), kBytePerQuant<F> ? 0 : i / 16);
 }
 
 // Plain loops over quant_at, for CPUs with neither: the same integer dots and the same float steps.
