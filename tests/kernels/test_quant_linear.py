@@ -157,6 +157,24 @@ def test_bf16_activations(ggml_type: T, rows: int) -> None:
     assert ((out.double() - reference).abs() <= allowed).all()
 
 
+@pytest.mark.parametrize(
+    ("ggml_type", "bytes_per_weight"),
+    [
+        (T.Q4_0, 18 / 32),
+        (T.Q4_1, 20 / 32),
+        (T.Q8_0, 34 / 32),
+        (T.Q4_K, 0.75),
+        (T.Q5_K, 0.875),
+        (T.Q6_K, 0.9375),
+    ],
+    ids=lambda value: value.name if isinstance(value, T) else None,
+)
+def test_packed_bytes(ggml_type: T, bytes_per_weight: float) -> None:
+    """The 32-block formats keep the file's bytes; the K-quants more (their scales per block of 32)."""
+    weight = packed(ggml_type, (576, 1536))
+    assert weight.nbytes == 576 * 1536 * bytes_per_weight
+
+
 def test_supported_types() -> None:
     assert supported_ggml_types() == {
         int(T.Q4_0): "Q4_0",
