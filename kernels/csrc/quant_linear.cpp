@@ -63,7 +63,7 @@ constexpr int64_t kBlock = 32;      // weights per block, in every format here
 constexpr int64_t kGroupRows = 16;  // output rows per group: one vector of 16 int32 lanes
 constexpr int64_t kWordBytes = 4;   // quant bytes per row that one dot-product lane takes at a time
 constexpr int64_t kWordRowBytes = kGroupRows * kWordBytes;
-constexpr int64_t kRowsPerPass = 4;  // activation rows that share one load of the weights' registers
+constexpr int kRowsPerPass = 4;  // activation rows that share one load of the weights' registers
 
 enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
@@ -666,26 +666,30 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
 
 #endif
 
+// gemv_group for `count` (1 to MC) activation rows: its instance for exactly that many, whose
+// accumulators stay in registers.
+template <int64_t F, int MC = kRowsPerPass>
+void gemv_rows(int64_t count, const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a,
+               int64_t m0, float (*sums)[kGroupRows]) {
+  if constexpr (MC > 1) {
+    if (count < MC) return gemv_rows<F, MC - 1>(count, quants, scales, a, m0, sums);
+  }
+  gemv_group<F, MC>(quants, scales, a, m0, sums);
+}
+
 // All activation rows against one group, kRowsPerPass rows per pass over the group's weights (which
 // stay in L1/L2 after the first pass: memory is read once a call).
 template <int64_t F>
-void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a,
-                   int64_t rows, int64_t first_out, int64_t valid_out, int64_t out_features, float* out) {
+void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t rows,
+                   int64_t first_out, int64_t valid_out, int64_t out_features, float* out) {
   float sums[kRowsPerPass][kGroupRows];
   for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
-    const int64_t count = std::min(kRowsPerPass, rows - m0);
-    switch (count) {
-      case 1: gemv_group<F, 1>(quants, scales, a, m0, sums); break;
-      case 2: gemv_group<F, 2>(quants, scales, a, m0, sums); break;
-      case 3: gemv_group<F, 3>(quants, scales, a, m0, sums); break;
-      default: gemv_group<F, 4>(quants, scales, a, m0, sums); break;
-    }
+    const int64_t count = std::min<int64_t>(kRowsPerPass, rows - m0);
+    gemv_rows<F>(count, quants, scales, a, m0, sums);
     for (int64_t i = 0; i < count; ++i)
       std::memcpy(out + (m0 + i) * out_features + first_out, sums[i], valid_out * sizeof(float));
   }
 }
-
-static_assert(kRowsPerPass == 4, "gemv_all_rows dispatches passes of 1 to 4 rows");
 
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, int64_t format,
                       int64_t out_features) {
