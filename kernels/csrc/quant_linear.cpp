@@ -22,12 +22,14 @@
 // multiplies by 4 activation bytes broadcast to every lane. Q8_0 keeps a byte a quant (8 words a
 // block), the others a nibble (4 words: word j's low nibbles are quants 4j..4j+3, its high nibbles
 // quants 16+4j..16+4j+3, GGUF's own order for blocks of 32), and Q5_K and Q6_K the quants' high bits
-// in 1 or 2 words more (read_block says where). The scales of a (group, block) are 16 float16 each
-// of: d; d, m (Q4_1); d, sc, sc' (Q6_K, a sub-scale per 16); d, sc, dmin, m (Q4_K, Q5_K). float16
-// because a decode step is bound by the bytes it reads (16 of them convert in one instruction), and
-// the K-quants' small integers are exact in it. The K-quants' d and dmin repeat for each block of
-// 32, which costs them bytes: Q4_K 0.75 a weight (the file's 0.56), Q5_K 0.88 (0.69), Q6_K 0.94 (0.82).
-//   quants: uint8 [groups, blocks, words * 64], scales: float16 [groups, blocks, 1 to 4, 16]
+// in 1 or 2 words more (read_block says where). The K-quants' 8-bit scales of a block follow its
+// words, 16 bytes each: Q6_K's two int8 sub-scales (one per 16 quants), Q4_K's and Q5_K's sc and m.
+// The float16 scales, 16 each per (group, file block: 32 weights, or 256 for K-quants), are their
+// own tensor: d; d, m (Q4_1); d, dmin (Q4_K, Q5_K). Kept as float16, the bytes the file has,
+// because a decode step is bound by the bytes it reads (16 of them convert in one instruction).
+// So the packed weight has the file's bytes, but for the 6-bit sc and m kept a byte each.
+//   quants: uint8 [groups, blocks of 32, words * 64 (+ 32 for K-quants)]
+//   scales: float16 [groups, file blocks, 1 or 2, 16]
 //
 // Arithmetic of the decode path: each row of x is quantized per block of 32 to int8 q_x with a
 // float32 scale d_x = max|x| / 127 (llama.cpp's Q8_0 activations, scale kept in float32), and the
@@ -70,18 +72,22 @@ enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
 struct Layout {
   int64_t raw_block_weights;  // weights of one block in the GGUF file: 32, or 256 for K-quants
   int64_t raw_block_bytes;    // bytes of one such block
-  int64_t scales;             // float16 scales (of 16 rows each) a packed block of 32 has
-  int64_t words;              // 4-byte quant words per row and packed block
+  int64_t words;              // 4-byte quant words per row and packed block of 32
+  int64_t half_scales;        // float16 scales (of 16 rows each) per file block
+  int64_t int_scales;         // 8-bit scales (of 16 rows each) after the quant words of a packed block
+
+  int64_t blocks_per_scale() const { return raw_block_weights / kBlock; }
+  int64_t group_block_bytes() const { return words * kWordRowBytes + int_scales * kGroupRows; }
 };
 
 Layout layout_of(int64_t format) {
   switch (format) {
-    case kQ4_0: return {32, 18, 1, 4};
-    case kQ4_1: return {32, 20, 2, 4};
-    case kQ8_0: return {32, 34, 1, 8};
-    case kQ4_K: return {256, 144, 4, 4};
-    case kQ5_K: return {256, 176, 4, 5};
-    case kQ6_K: return {256, 210, 3, 6};
+    case kQ4_0: return {32, 18, 4, 1, 0};
+    case kQ4_1: return {32, 20, 4, 2, 0};
+    case kQ8_0: return {32, 34, 8, 1, 0};
+    case kQ4_K: return {256, 144, 4, 2, 2};
+    case kQ5_K: return {256, 176, 5, 2, 2};
+    case kQ6_K: return {256, 210, 6, 1, 2};
     default:
       TORCH_CHECK(false, "quant_linear: unsupported ggml type ", format,
                   " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
@@ -100,11 +106,34 @@ template <int64_t F>
 constexpr int64_t kWords = kLowWords<F> + kHighBits<F>;  // layout_of(F).words
 template <int64_t F>
 constexpr int kNibbles = kBytePerQuant<F> ? 1 : 2;
-template <int64_t F>
-constexpr int64_t kScales = F == kQ4_1 ? 2 : F == kQ6_K ? 3 : F == kQ4_K || F == kQ5_K ? 4 : 1;  // layout_of(F).scales
 // Q4_K and Q5_K: weights (d * sc) * q - dmin * m, sc and m 6-bit integers per block of 32.
 template <int64_t F>
 constexpr bool kScaledMin = F == kQ4_K || F == kQ5_K;
+// layout_of(F)'s numbers, for the kernels.
+template <int64_t F>
+constexpr int64_t kHalfScales = F == kQ4_1 || kScaledMin<F> ? 2 : 1;
+template <int64_t F>
+constexpr int64_t kIntScales = F == kQ6_K || kScaledMin<F> ? 2 : 0;
+template <int64_t F>
+constexpr int64_t kBlocksPerScale = F == kQ6_K || kScaledMin<F> ? 8 : 1;
+template <int64_t F>
+constexpr int64_t kGroupBlockBytes = kWords<F> * kWordRowBytes + kIntScales<F> * kGroupRows;
+
+// The kernels see up to 4 scales a block of 32, "slots": d; then Q4_1's m; Q6_K's two sub-scales
+// (int8, one per 16 quants); the K-quants' sc, dmin, m. A slot is either a float16 of the scales
+// tensor (`index` of its file block's) or an 8-bit integer after the block's quant words.
+struct Slot {
+  bool integer;
+  int index;
+};
+
+template <int64_t F>
+constexpr Slot slot_of(int slot) {
+  if (slot == 0) return {false, 0};
+  if constexpr (F == kQ4_1) return {false, 1};
+  if constexpr (F == kQ6_K) return {true, slot - 1};
+  return slot == 1 ? Slot{true, 0} : slot == 2 ? Slot{false, 1} : Slot{true, 1};
+}
 // Formats whose weights add a min per block (Q4_1's m, the K-quants' -dmin * m) to d * q.
 template <int64_t F>
 constexpr bool kHasMin = F == kQ4_1 || kScaledMin<F>;
@@ -130,11 +159,12 @@ void dispatch_format(int64_t format, Body body) {
 void check_packed(const at::Tensor& quants, const at::Tensor& scales, int64_t format, const char* op) {
   const Layout layout = layout_of(format);
   TORCH_CHECK(quants.dim() == 3 && quants.scalar_type() == at::kByte && quants.is_contiguous() &&
-                  quants.size(2) == layout.words * kWordRowBytes,
+                  quants.size(2) == layout.group_block_bytes() && quants.size(1) % layout.blocks_per_scale() == 0,
               op, ": quants are not a packed ggml type ", format, " weight: ", quants.scalar_type(), " ",
               quants.sizes());
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({quants.size(0), quants.size(1), layout.scales, kGroupRows}),
+                  scales.sizes() == at::IntArrayRef({quants.size(0), quants.size(1) / layout.blocks_per_scale(),
+                                                     layout.half_scales, kGroupRows}),
               op, ": scales do not match the quants: ", scales.sizes());
 }
 
@@ -145,10 +175,9 @@ void check_packed(const at::Tensor& quants, const at::Tensor& scales, int64_t fo
 // its float16 scales.
 struct PackedBlock {
   uint8_t quants[kBlock];
-  uint16_t scales[4];
+  uint16_t halves[2];  // float16 bits: d; d, m; or d, dmin
+  uint8_t ints[2];     // Q6_K's int8 sub-scales, or the K-quants' sc and m
 };
-
-inline uint16_t half_bits(float x) { return c10::Half(x).x; }
 
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K or Q5_K block, from its 12 packed bytes.
 std::pair<int, int> k_scale_min(const uint8_t* packed, int64_t j) {
@@ -157,8 +186,8 @@ std::pair<int, int> k_scale_min(const uint8_t* packed, int64_t j) {
 }
 
 // The quants of sub-block j of a K-quant block of 256, unsigned, and its scales: Q6_K's d and two
-// sub-scales, or the d, sc, dmin, m of Q4_K and Q5_K (small integers, exact in float16).
-void read_k_block(int64_t format, const uint8_t* block, int64_t j, uint8_t* q, uint16_t* scales) {
+// sub-scales, or the d, dmin and 6-bit sc, m of Q4_K and Q5_K.
+void read_k_block(int64_t format, const uint8_t* block, int64_t j, uint8_t* q, PackedBlock& packed) {
   if (format == kQ6_K) {
     // ql[128] (low 4 bits), qh[64] (high 2), 16 int8 sub-scales (one per 16 weights), d. Weight
     // k = 32j + e, h = k / 128, i = k % 128: ql[64h + i % 64] >> 4 (i / 64) and qh[32h + i % 32] >> 2 (i / 32).
@@ -167,9 +196,8 @@ void read_k_block(int64_t format, const uint8_t* block, int64_t j, uint8_t* q, u
       const int64_t k = j * kBlock + e, h = k / 128, i = k % 128;
       q[e] = ((ql[64 * h + i % 64] >> (4 * (i / 64))) & 0x0F) | ((qh[32 * h + i % 32] >> (2 * (i / 32))) & 3) << 4;
     }
-    std::memcpy(scales, block + 208, 2);
-    const int8_t* sub_scales = reinterpret_cast<const int8_t*>(block + 192);
-    for (int half = 0; half < 2; ++half) scales[1 + half] = half_bits(sub_scales[2 * j + half]);
+    std::memcpy(packed.halves, block + 208, 2);
+    for (int half = 0; half < 2; ++half) packed.ints[half] = block[192 + 2 * j + half];
     return;
   }
   // Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, qs[128]: weight e of sub-block j in the low
@@ -180,22 +208,21 @@ void read_k_block(int64_t format, const uint8_t* block, int64_t j, uint8_t* q, u
     if (format == kQ5_K) q[e] |= ((block[16 + e] >> j) & 1) << 4;
   }
   const auto [scale, min] = k_scale_min(block + 4, j);
-  std::memcpy(scales, block, 2);
-  scales[1] = half_bits(static_cast<float>(scale));
-  std::memcpy(scales + 2, block + 2, 2);
-  scales[3] = half_bits(static_cast<float>(min));
+  std::memcpy(packed.halves, block, 4);
+  packed.ints[0] = static_cast<uint8_t>(scale);
+  packed.ints[1] = static_cast<uint8_t>(min);
 }
 
 PackedBlock read_block(int64_t format, const Layout& layout, const uint8_t* row, int64_t b) {
   PackedBlock packed{};
   if (layout.raw_block_weights == kBlock) {  // d (and m) first, then the quants as they are
     const uint8_t* block = row + b * layout.raw_block_bytes;
-    std::memcpy(packed.scales, block, 2 * layout.scales);
-    std::memcpy(packed.quants, block + 2 * layout.scales, layout.words * kWordBytes);
+    std::memcpy(packed.halves, block, 2 * layout.half_scales);
+    std::memcpy(packed.quants, block + 2 * layout.half_scales, layout.words * kWordBytes);
     return packed;
   }
   uint8_t q[kBlock];
-  read_k_block(format, row + (b / 8) * layout.raw_block_bytes, b % 8, q, packed.scales);
+  read_k_block(format, row + (b / 8) * layout.raw_block_bytes, b % 8, q, packed);
   // Nibbles as GGUF's 32-blocks have them: byte e holds quants e and 16 + e, so word j's byte e
   // holds quants 4j + e + 16 * nibble. Then for Q5_K and Q6_K the high bits: quant 4j + e + 16 * n
   // has number u = j + 4n (0..7), and its bits are bits hb * (u % (8 / hb)) on of byte e of high
@@ -222,10 +249,11 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t for
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == out_features * row_bytes,
               "quant_pack: raw must be ", out_features * row_bytes, " contiguous uint8 bytes for [", out_features, ", ",
               in_features, "], got ", raw.numel(), " of ", raw.scalar_type());
-  const int64_t group_block_bytes = layout.words * kWordRowBytes;
+  const int64_t group_block_bytes = layout.group_block_bytes(), file_blocks = blocks / layout.blocks_per_scale();
   // Zeros: the padding rows of the last group have zero scales and quants, and produce 0.
   at::Tensor quants = at::zeros({groups, blocks, group_block_bytes}, raw.options());
-  at::Tensor scales = at::zeros({groups, blocks, layout.scales, kGroupRows}, raw.options().dtype(at::kHalf));
+  at::Tensor scales =
+      at::zeros({groups, file_blocks, layout.half_scales, kGroupRows}, raw.options().dtype(at::kHalf));
   const uint8_t* src = raw.const_data_ptr<uint8_t>();
   uint8_t* dst = quants.mutable_data_ptr<uint8_t>();
   uint16_t* dst_scales = reinterpret_cast<uint16_t*>(scales.mutable_data_ptr<at::Half>());
@@ -235,12 +263,14 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t for
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t b = 0; b < blocks; ++b) {
           const PackedBlock block = read_block(format, layout, src + (g * kGroupRows + r) * row_bytes, b);
-          const int64_t at = g * blocks + b;
-          for (int64_t i = 0; i < layout.scales; ++i)
-            dst_scales[(at * layout.scales + i) * kGroupRows + r] = block.scales[i];
+          const int64_t file_block = g * file_blocks + b / layout.blocks_per_scale();
+          for (int64_t i = 0; i < layout.half_scales; ++i)  // the same for each block of a file block
+            dst_scales[(file_block * layout.half_scales + i) * kGroupRows + r] = block.halves[i];
+          uint8_t* packed = dst + (g * blocks + b) * group_block_bytes;
           for (int64_t j = 0; j < layout.words; ++j)
-            std::memcpy(dst + at * group_block_bytes + j * kWordRowBytes + r * kWordBytes,
-                        block.quants + j * kWordBytes, kWordBytes);
+            std::memcpy(packed + j * kWordRowBytes + r * kWordBytes, block.quants + j * kWordBytes, kWordBytes);
+          for (int64_t i = 0; i < layout.int_scales; ++i)
+            packed[layout.words * kWordRowBytes + i * kGroupRows + r] = block.ints[i];
         }
       }
     }
@@ -254,6 +284,15 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t for
 
 inline float half_to_float(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Scale slot `slot` of row r: `halves` the block's float16 scales, `ints` its 8-bit ones.
+template <int64_t F>
+inline float slot_value(const uint16_t* halves, const uint8_t* ints, int slot, int64_t r) {
+  const Slot s = slot_of<F>(slot);
+  if (!s.integer) return half_to_float(halves[s.index * kGroupRows + r]);
+  const uint8_t bits = ints[s.index * kGroupRows + r];
+  return static_cast<float>(F == kQ6_K ? static_cast<int8_t>(bits) : bits);
 }
 
 template <typename T>
@@ -311,21 +350,27 @@ inline __m512i quants_of(const __m512i* words, int64_t j, int e, int nibble) {
   return kQuantOffset<F> ? _mm512_sub_epi32(q, _mm512_set1_epi32(kQuantOffset<F>)) : q;
 }
 
-inline __m512 load_halves(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// slot_value for all 16 rows.
+template <int64_t F>
+inline __m512 slot_lanes(const uint16_t* halves, const uint8_t* ints, int slot) {
+  const Slot s = slot_of<F>(slot);
+  if (!s.integer)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + s.index * kGroupRows)));
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + s.index * kGroupRows));
+  return _mm512_cvtepi32_ps(F == kQ6_K ? _mm512_cvtepi8_epi32(bits) : _mm512_cvtepu8_epi32(bits));
 }
 
 template <int64_t F, typename T>
-void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
-  const __m512 d = load_halves(scales);
-  const __m512 block_scale = kScaledMin<F> ? _mm512_mul_ps(d, load_halves(scales + kGroupRows)) : d;
-  const __m512 m = F == kQ4_1 ? load_halves(scales + kGroupRows)
-                   : kScaledMin<F>
-                       ? _mm512_mul_ps(load_halves(scales + 2 * kGroupRows), load_halves(scales + 3 * kGroupRows))
-                       : _mm512_setzero_ps();
+void dequantize_group_block(const uint8_t* block, const uint16_t* halves, int64_t count, T* out, int64_t stride) {
+  const uint8_t* ints = block + kWords<F> * kWordRowBytes;
+  const __m512 d = slot_lanes<F>(halves, ints, 0);
+  const __m512 block_scale = kScaledMin<F> ? _mm512_mul_ps(d, slot_lanes<F>(halves, ints, 1)) : d;
+  const __m512 m = F == kQ4_1 ? slot_lanes<F>(halves, ints, 1)
+                   : kScaledMin<F> ? _mm512_mul_ps(slot_lanes<F>(halves, ints, 2), slot_lanes<F>(halves, ints, 3))
+                                   : _mm512_setzero_ps();
   // Q6_K: quants 0..15 (the low nibbles) have the first sub-scale, 16..31 the second.
-  const __m512 sub_scaled[2] = {F == kQ6_K ? _mm512_mul_ps(d, load_halves(scales + kGroupRows)) : block_scale,
-                                F == kQ6_K ? _mm512_mul_ps(d, load_halves(scales + 2 * kGroupRows)) : block_scale};
+  const __m512 sub_scaled[2] = {F == kQ6_K ? _mm512_mul_ps(d, slot_lanes<F>(halves, ints, 1)) : block_scale,
+                                F == kQ6_K ? _mm512_mul_ps(d, slot_lanes<F>(halves, ints, 2)) : block_scale};
   __m512i words[kWords<F>];
   for (int64_t j = 0; j < kWords<F>; ++j) words[j] = _mm512_loadu_si512(block + j * kWordRowBytes);
   for (int64_t j = 0; j < kLowWords<F>; ++j) {
@@ -350,20 +395,21 @@ void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_
 #else
 
 template <int64_t F, typename T>
-void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
+void dequantize_group_block(const uint8_t* block, const uint16_t* halves, int64_t count, T* out, int64_t stride) {
+  const uint8_t* ints = block + kWords<F> * kWordRowBytes;
   for (int64_t j = 0; j < kLowWords<F>; ++j) {
     for (int e = 0; e < kWordBytes; ++e) {
       for (int nibble = 0; nibble < kNibbles<F>; ++nibble) {
         float values[kGroupRows];
         for (int64_t r = 0; r < kGroupRows; ++r) {
-          const float d = half_to_float(scales[r]);
-          const float scale = F == kQ6_K      ? d * half_to_float(scales[(1 + nibble) * kGroupRows + r])
-                              : kScaledMin<F> ? d * half_to_float(scales[kGroupRows + r])
+          const float d = slot_value<F>(halves, ints, 0, r);
+          const float scale = F == kQ6_K      ? d * slot_value<F>(halves, ints, 1 + nibble, r)
+                              : kScaledMin<F> ? d * slot_value<F>(halves, ints, 1, r)
                                               : d;
           values[r] = scale * static_cast<float>(quant_of<F>(block, r, j, e, nibble));
-          if constexpr (F == kQ4_1) values[r] += half_to_float(scales[kGroupRows + r]);
+          if constexpr (F == kQ4_1) values[r] += slot_value<F>(halves, ints, 1, r);
           if constexpr (kScaledMin<F>)
-            values[r] -= half_to_float(scales[2 * kGroupRows + r]) * half_to_float(scales[3 * kGroupRows + r]);
+            values[r] -= slot_value<F>(halves, ints, 2, r) * slot_value<F>(halves, ints, 3, r);
         }
         store_lanes(values, count, out + (kWordBytes * j + e + 16 * nibble) * stride);
       }
@@ -389,7 +435,7 @@ void quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_
               kGroupRows, " inside the weight");
   const uint8_t* q = quants.const_data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
-  const int64_t group_block_bytes = quants.size(2), first_group = first_row / kGroupRows;
+  const int64_t first_group = first_row / kGroupRows;
   auto run = [&](auto format_tag, auto* o) {
     constexpr int64_t F = decltype(format_tag)::value;
     // A block's 32 rows of out at a time, left to right: whole cache lines, written once.
@@ -397,7 +443,8 @@ void quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t g = 0; g * kGroupRows < rows; ++g) {
           const int64_t at = (first_group + g) * blocks + b;
-          dequantize_group_block<F>(q + at * group_block_bytes, s + at * kScales<F> * kGroupRows,
+          const int64_t file_block = (first_group + g) * (blocks / kBlocksPerScale<F>) + b / kBlocksPerScale<F>;
+          dequantize_group_block<F>(q + at * kGroupBlockBytes<F>, s + file_block * kHalfScales<F> * kGroupRows,
                                     std::min(kGroupRows, rows - g * kGroupRows),
                                     o + b * kBlock * stride + g * kGroupRows, stride);
         }
@@ -515,14 +562,16 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
   for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     __m512i w[8];
-    load_weights<F>(quants + b * kWords<F> * kWordRowBytes, w);
-    const uint16_t* s = scales + b * kScales<F> * kGroupRows;
-    const __m512 d = load_halves(s);
-    const __m512 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, a sub-scale, or sc
-    const __m512 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;  // a sub-scale, or dmin
+    const uint8_t* block = quants + b * kGroupBlockBytes<F>;
+    load_weights<F>(block, w);
+    const uint16_t* halves = scales + b / kBlocksPerScale<F> * kHalfScales<F> * kGroupRows;
+    const uint8_t* ints = block + kWords<F> * kWordRowBytes;
+    const __m512 d = slot_lanes<F>(halves, ints, 0);
+    const __m512 second = F != kQ4_0 && F != kQ8_0 ? slot_lanes<F>(halves, ints, 1) : d;  // m, a sub-scale, or sc
+    const __m512 third = F == kQ6_K || kScaledMin<F> ? slot_lanes<F>(halves, ints, 2) : d;  // a sub-scale, or dmin
     const __m512 scale = kScaledMin<F> ? _mm512_mul_ps(d, second) : d;
     const __m512 min =
-        kScaledMin<F> ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(third, load_halves(s + 3 * kGroupRows)))
+        kScaledMin<F> ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(third, slot_lanes<F>(halves, ints, 3)))
                       : second;
     for (int i = 0; i < MC; ++i) {
       const int8_t* x = a.block_quants(m0 + i, b);
@@ -587,8 +636,14 @@ inline __m256 half_dot(const __m256i* w, const int8_t* x, int32_t offset) {
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(offset)));
 }
 
-inline __m256 load_halves(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// slot_value for 8 rows.
+template <int64_t F>
+inline __m256 slot_lanes(const uint16_t* halves, const uint8_t* ints, int slot) {
+  const Slot s = slot_of<F>(slot);
+  if (!s.integer)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + s.index * kGroupRows)));
+  const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ints + s.index * kGroupRows));
+  return _mm256_cvtepi32_ps(F == kQ6_K ? _mm256_cvtepi8_epi32(bits) : _mm256_cvtepu8_epi32(bits));
 }
 
 template <int64_t F, int MC>
@@ -599,14 +654,16 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
     for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.blocks; ++b) {
       __m256i w[8];
-      load_weights<F>(quants + b * kWords<F> * kWordRowBytes, half, w);
-      const uint16_t* s = scales + b * kScales<F> * kGroupRows + half * 8;
-      const __m256 d = load_halves(s);
-      const __m256 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, a sub-scale, or sc
-      const __m256 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;  // a sub-scale, or dmin
+      const uint8_t* block = quants + b * kGroupBlockBytes<F>;
+      load_weights<F>(block, half, w);
+      const uint16_t* halves = scales + b / kBlocksPerScale<F> * kHalfScales<F> * kGroupRows + half * 8;
+      const uint8_t* ints = block + kWords<F> * kWordRowBytes + half * 8;
+      const __m256 d = slot_lanes<F>(halves, ints, 0);
+      const __m256 second = F != kQ4_0 && F != kQ8_0 ? slot_lanes<F>(halves, ints, 1) : d;  // m, a sub-scale, or sc
+      const __m256 third = F == kQ6_K || kScaledMin<F> ? slot_lanes<F>(halves, ints, 2) : d;  // a sub-scale, or dmin
       const __m256 scale = kScaledMin<F> ? _mm256_mul_ps(d, second) : d;
       const __m256 min =
-          kScaledMin<F> ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(third, load_halves(s + 3 * kGroupRows)))
+          kScaledMin<F> ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(third, slot_lanes<F>(halves, ints, 3)))
                         : second;
       for (int i = 0; i < MC; ++i) {
         const int8_t* x = a.block_quants(m0 + i, b);
@@ -640,23 +697,25 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
                 float (*sums)[kGroupRows]) {
   for (int i = 0; i < MC; ++i) std::fill(sums[i], sums[i] + kGroupRows, 0.f);
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* block = quants + b * kWords<F> * kWordRowBytes;
-    const uint16_t* s = scales + b * kScales<F> * kGroupRows;
+    const uint8_t* block = quants + b * kGroupBlockBytes<F>;
+    const uint16_t* halves = scales + b / kBlocksPerScale<F> * kHalfScales<F> * kGroupRows;
+    const uint8_t* ints = block + kWords<F> * kWordRowBytes;
     for (int i = 0; i < MC; ++i) {
       const int8_t* x = a.block_quants(m0 + i, b);
       const float dx = a.scale(m0 + i, b);
       for (int64_t r = 0; r < kGroupRows; ++r) {
-        int32_t halves[2] = {0, 0};
-        for (int64_t e = 0; e < kBlock; ++e) halves[e / 16] += quant_at<F>(block, r, e) * x[e];
-        const float low = static_cast<float>(halves[0]), high = static_cast<float>(halves[1]);
+        int32_t dots[2] = {0, 0};  // quants 0..15 and 16..31
+        for (int64_t e = 0; e < kBlock; ++e) dots[e / 16] += quant_at<F>(block, r, e) * x[e];
+        const float low = static_cast<float>(dots[0]), high = static_cast<float>(dots[1]);
         const float dot =
-            F == kQ6_K ? low * half_to_float(s[kGroupRows + r]) + high * half_to_float(s[2 * kGroupRows + r])
+            F == kQ6_K ? low * slot_value<F>(halves, ints, 1, r) + high * slot_value<F>(halves, ints, 2, r)
                        : low + high;
-        const float d = half_to_float(s[r]), scale = kScaledMin<F> ? d * half_to_float(s[kGroupRows + r]) : d;
+        const float d = slot_value<F>(halves, ints, 0, r);
+        const float scale = kScaledMin<F> ? d * slot_value<F>(halves, ints, 1, r) : d;
         sums[i][r] += dot * (scale * dx);
         if constexpr (kHasMin<F>) {
-          const float min = F == kQ4_1 ? half_to_float(s[kGroupRows + r])
-                                       : -(half_to_float(s[2 * kGroupRows + r]) * half_to_float(s[3 * kGroupRows + r]));
+          const float min = F == kQ4_1 ? slot_value<F>(halves, ints, 1, r)
+                                       : -(slot_value<F>(halves, ints, 2, r) * slot_value<F>(halves, ints, 3, r));
           sums[i][r] += min * (dx * static_cast<float>(a.sum(m0 + i, b)));
         }
       }
@@ -707,7 +766,7 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::T
   const uint8_t* q = quants.const_data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
   float* o = out.mutable_data_ptr<float>();
-  const int64_t group_bytes = blocks * quants.size(2), group_scales = blocks * scales.size(2) * kGroupRows;
+  const int64_t group_bytes = blocks * quants.size(2), group_scales = scales.size(1) * scales.size(2) * kGroupRows;
   dispatch_format(format, [&](auto format_tag) {
     constexpr int64_t F = decltype(format_tag)::value;
     // Grain 1: parallel_for splits the groups into one equal range per thread.

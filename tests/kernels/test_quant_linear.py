@@ -163,14 +163,14 @@ def test_bf16_activations(ggml_type: T, rows: int) -> None:
         (T.Q4_0, 18 / 32),
         (T.Q4_1, 20 / 32),
         (T.Q8_0, 34 / 32),
-        (T.Q4_K, 0.75),
-        (T.Q5_K, 0.875),
-        (T.Q6_K, 0.9375),
+        (T.Q4_K, (144 + 4) / 256),
+        (T.Q5_K, (176 + 4) / 256),
+        (T.Q6_K, 210 / 256),
     ],
     ids=lambda value: value.name if isinstance(value, T) else None,
 )
 def test_packed_bytes(ggml_type: T, bytes_per_weight: float) -> None:
-    """The 32-block formats keep the file's bytes; the K-quants more (their scales per block of 32)."""
+    """The file's bytes, but for Q4_K's and Q5_K's 6-bit sc and m, a byte each (4 more a block of 256)."""
     weight = packed(ggml_type, (576, 1536))
     assert weight.nbytes == 576 * 1536 * bytes_per_weight
 
