@@ -109,6 +109,12 @@ constexpr int kNibbles = kBytePerQuant<F> ? 1 : 2;
 // Q4_K and Q5_K: weights (d * sc) * q - dmin * m, sc and m 6-bit integers per block of 32.
 template <int64_t F>
 constexpr bool kScaledMin = F == kQ4_K || F == kQ5_K;
+// Formats whose weights add a min per block (Q4_1's m, the K-quants' -dmin * m) to d * q.
+template <int64_t F>
+constexpr bool kHasMin = F == kQ4_1 || kScaledMin<F>;
+// What is subtracted from the unsigned quants the packed layout keeps (Q8_0's are signed).
+template <int64_t F>
+constexpr int32_t kQuantOffset = F == kQ4_0 ? 8 : F == kQ6_K ? 32 : 0;
 // layout_of(F)'s numbers, for the kernels.
 template <int64_t F>
 constexpr int64_t kHalfScales = F == kQ4_1 || kScaledMin<F> ? 2 : 1;
@@ -134,12 +140,6 @@ constexpr Slot slot_of(int slot) {
   if constexpr (F == kQ6_K) return {true, slot - 1};
   return slot == 1 ? Slot{true, 0} : slot == 2 ? Slot{false, 1} : Slot{true, 1};
 }
-// Formats whose weights add a min per block (Q4_1's m, the K-quants' -dmin * m) to d * q.
-template <int64_t F>
-constexpr bool kHasMin = F == kQ4_1 || kScaledMin<F>;
-// What is subtracted from the unsigned quants the packed layout keeps (Q8_0's are signed).
-template <int64_t F>
-constexpr int32_t kQuantOffset = F == kQ4_0 ? 8 : F == kQ6_K ? 32 : 0;
 
 // Calls body(std::integral_constant<int64_t, format>{}): the kernels are compiled once a format.
 template <typename Body>
