@@ -66,7 +66,9 @@ def variants(
         "bf16 F.linear": (bf16, F.linear, bf16[0].nbytes),
         f"bf16 {best_weight_form(bf16[0]).value}": (prepared, linear, bf16[0].nbytes),
     }
-    for name in formats:
+    # K-quants need rows of whole blocks of 256, which SmolLM2's 576 are not (GGUF files keep such
+    # tensors in 32-block formats).
+    for name in (name for name in formats if in_features % FORMATS[name][1] == 0):
         weights = [random_blocks(name, out_features, in_features) for _ in range(copies)]
         table[name] = (weights, quantized_linear, weights[0].nbytes)
     return table
