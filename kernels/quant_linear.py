@@ -129,19 +129,22 @@ def dequantize(
 def quantized_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) for x of any leading dims ending in in_features, float32 or bf16; the
-    result has x's dtype."""
+    """x @ weight.T (+ bias) for x of any leading dims ending in in_features, float32 or bf16 (other
+    float dtypes take the panel path); the result has x's dtype, rounded to it once."""
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features:
         raise ValueError(f"x ends in {x.shape[-1]} features, the weight takes {in_features}")
     rows = x.reshape(-1, in_features)
-    if rows.shape[0] <= GEMV_MAX_ROWS:
-        out = torch.ops.raypage.quant_gemv(rows, weight.quants, weight.scales, weight.ggml_type, out_features)
+    if rows.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        out = torch.ops.raypage.quant_gemv(
+            rows, weight.quants, weight.scales, weight.ggml_type, out_features, bias
+        )
     else:
         out = _panel_matmul(rows, weight)
-    if bias is not None:
-        out += bias
-    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+        if bias is not None:
+            out += bias
+        out = out.to(x.dtype)
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 def _panel_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

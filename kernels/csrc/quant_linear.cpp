@@ -3,9 +3,9 @@
 // torch.ops.raypage.quant_pack(raw uint8, ggml_type, out_features, in_features) -> (quants, scales)
 //   Repacks a weight's GGUF blocks (each row whole blocks, as stored in the file) into the layout
 //   below, once at load.
-// torch.ops.raypage.quant_gemv(x [M, in], quants, scales, ggml_type, out_features) -> [M, out] float32
-//   The decode path: x quantized to int8 once per call, int8 dot products, the weight streamed once
-//   for all M rows.
+// torch.ops.raypage.quant_gemv(x [M, in], quants, scales, ggml_type, out_features, bias=None) -> [M, out]
+//   The decode path: x (float32 or bf16) quantized to int8 once per call, int8 dot products, the
+//   weight streamed once for all M rows; float32 sums plus the bias, rounded once to x's dtype.
 // torch.ops.raypage.quant_dequantize(quants, scales, ggml_type, first_row, out [in, rows] float32 or bf16)
 //   Rows of the weight's values, transposed, as gguf.quants.dequantize gives them (rounded to bf16
 //   for a bf16 out); the prefill path multiplies panels of these.
@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -475,20 +476,21 @@ struct QuantizedActivations {
   int32_t low_sum(int64_t m, int64_t b) const { return low_sums[m * blocks + b]; }
 };
 
-QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t in_features) {
+template <typename T>
+QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t in_features) {
   const int64_t blocks = in_features / kBlock;
   QuantizedActivations a{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * blocks),
                          std::vector<int32_t>(rows * blocks), std::vector<int32_t>(rows * blocks), in_features, blocks};
   at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* src = x + i * kBlock;
+      const T* src = x + i * kBlock;
       float amax = 0.f;
-      for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(src[e]));
+      for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(static_cast<float>(src[e])));
       const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
       int8_t* q = a.quants.data() + i * kBlock;
       int32_t sum = 0;
       for (int64_t e = 0; e < kBlock; ++e) {
-        q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(src[e] * inverse), -127.f, 127.f));
+        q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(src[e]) * inverse), -127.f, 127.f));
         sum += q[e];
         if (e == 15) a.low_sums[i] = sum;
       }
@@ -737,44 +739,58 @@ void gemv_rows(int64_t count, const uint8_t* quants, const uint16_t* scales, con
 }
 
 // All activation rows against one group, kRowsPerPass rows per pass over the group's weights (which
-// stay in L1/L2 after the first pass: memory is read once a call).
-template <int64_t F>
+// stay in L1/L2 after the first pass: memory is read once a call); each output the float32 sum plus
+// the bias (float32, or null), rounded once to T.
+template <int64_t F, typename T>
 void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t rows,
-                   int64_t first_out, int64_t valid_out, int64_t out_features, float* out) {
+                   int64_t first_out, int64_t valid_out, const float* bias, int64_t out_features, T* out) {
   float sums[kRowsPerPass][kGroupRows];
   for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
     const int64_t count = std::min<int64_t>(kRowsPerPass, rows - m0);
     gemv_rows<F>(count, quants, scales, a, m0, sums);
-    for (int64_t i = 0; i < count; ++i)
-      std::memcpy(out + (m0 + i) * out_features + first_out, sums[i], valid_out * sizeof(float));
+    for (int64_t i = 0; i < count; ++i) {
+      T* row = out + (m0 + i) * out_features + first_out;
+      for (int64_t r = 0; r < valid_out; ++r)
+        row[r] = static_cast<T>(bias ? sums[i][r] + bias[first_out + r] : sums[i][r]);
+    }
   }
 }
 
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, int64_t format,
-                      int64_t out_features) {
+                      int64_t out_features, const std::optional<at::Tensor>& bias) {
   check_packed(quants, scales, format, "quant_gemv");
   TORCH_CHECK(quants.size(0) == (out_features + kGroupRows - 1) / kGroupRows, "quant_gemv: ", quants.size(0),
               " groups of ", kGroupRows, " rows do not hold ", out_features, " rows");
   const int64_t in_features = quants.size(1) * kBlock;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "quant_gemv: x must be [rows, ", in_features, "], got ",
               x.sizes());
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
-  const int64_t rows = x32.size(0), groups = quants.size(0), blocks = quants.size(1);
-  at::Tensor out = at::empty({rows, out_features}, x32.options());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_gemv: x must be float32 or bf16, got ", dtype);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == out_features), "quant_gemv: bias must be [",
+              out_features, "]");
+  const at::Tensor x_rows = x.contiguous(), bias32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const int64_t rows = x.size(0), groups = quants.size(0), blocks = quants.size(1);
+  at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
-  const QuantizedActivations a = quantize_activations(x32.const_data_ptr<float>(), rows, in_features);
   const uint8_t* q = quants.const_data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
-  float* o = out.mutable_data_ptr<float>();
+  const float* b = bias ? bias32.const_data_ptr<float>() : nullptr;
   const int64_t group_bytes = blocks * quants.size(2), group_scales = scales.size(1) * scales.size(2) * kGroupRows;
-  dispatch_format(format, [&](auto format_tag) {
+  auto run = [&](auto format_tag, const auto* xs, auto* o) {
     constexpr int64_t F = decltype(format_tag)::value;
+    const QuantizedActivations a = quantize_activations(xs, rows, in_features);
     // Grain 1: parallel_for splits the groups into one equal range per thread.
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g)
         gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, a, rows, g * kGroupRows,
-                         std::min(kGroupRows, out_features - g * kGroupRows), out_features, o);
+                         std::min(kGroupRows, out_features - g * kGroupRows), b, out_features, o);
     });
+  };
+  dispatch_format(format, [&](auto format_tag) {
+    if (dtype == at::kFloat)
+      run(format_tag, x_rows.const_data_ptr<float>(), out.mutable_data_ptr<float>());
+    else
+      run(format_tag, x_rows.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>());
   });
   return out;
 }
@@ -783,7 +799,9 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::T
 
 TORCH_LIBRARY_FRAGMENT(raypage, m) {
   m.def("quant_pack(Tensor raw, int ggml_type, int out_features, int in_features) -> (Tensor, Tensor)");
-  m.def("quant_gemv(Tensor x, Tensor quants, Tensor scales, int ggml_type, int out_features) -> Tensor");
+  m.def(
+      "quant_gemv(Tensor x, Tensor quants, Tensor scales, int ggml_type, int out_features, Tensor? bias=None)"
+      " -> Tensor");
   m.def(
       "quant_dequantize(Tensor quants, Tensor scales, int ggml_type, int first_row, Tensor(a!) out) -> ()");
 }
