@@ -137,7 +137,7 @@ def test_int8_activations_exact_up_to_float32_order(ggml_type: T, shape: tuple[i
     assert (error <= float32_bound(x, weight)).all()
 
 
-@pytest.mark.parametrize("rows", [2, 64])
+@pytest.mark.parametrize("rows", [2, GEMV_MAX_ROWS + 2])  # both paths, even
 def test_leading_dims_and_bias(rows: int) -> None:
     shape = (67, 256)
     weight = packed(T.Q4_1, shape)
