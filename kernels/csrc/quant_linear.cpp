@@ -301,11 +301,6 @@ inline void store_lanes(const float* values, int64_t count, T* out) {
   for (int64_t r = 0; r < count; ++r) out[r] = static_cast<T>(values[r]);
 }
 
-// One (group, block) into rows [0, 32) of `out` (row stride `stride`), its `count` leading columns:
-// lane r is row r's weight, d * q + m as gguf.quants.dequantize computes it (a product, then a sum:
-// the build contracts no multiply-adds; d times Q6_K's sub-scale or the K-quants' sc first, and
-// dmin * m subtracted). Word j of a row holds quants 4j..4j+3 (a byte each: byte e is quant 4j+e)
-// or, in nibbles, quants 4j..4j+3 and 16+4j..16+4j+3 (byte e's low nibble, then its high one).
 // Where quant 4j + e + 16 * nibble keeps its high bits (Q5_K, Q6_K): word kLowWords + the first,
 // from the bit the second on, in byte e (see read_block).
 template <int64_t F>
@@ -361,6 +356,11 @@ inline __m512 slot_lanes(const uint16_t* halves, const uint8_t* ints, int slot) 
   return _mm512_cvtepi32_ps(F == kQ6_K ? _mm512_cvtepi8_epi32(bits) : _mm512_cvtepu8_epi32(bits));
 }
 
+// One (group, block) into rows [0, 32) of `out` (row stride `stride`), its `count` leading columns:
+// lane r is row r's weight, d * q + m as gguf.quants.dequantize computes it (a product, then a sum:
+// the build contracts no multiply-adds; d times Q6_K's sub-scale or the K-quants' sc first, and
+// dmin * m subtracted). Word j of a row holds quants 4j..4j+3 (a byte each: byte e is quant 4j+e)
+// or, in nibbles, quants 4j..4j+3 and 16+4j..16+4j+3 (byte e's low nibble, then its high one).
 template <int64_t F, typename T>
 void dequantize_group_block(const uint8_t* block, const uint16_t* halves, int64_t count, T* out, int64_t stride) {
   const uint8_t* ints = block + kWords<F> * kWordRowBytes;
@@ -395,6 +395,7 @@ void dequantize_group_block(const uint8_t* block, const uint16_t* halves, int64_
 
 #else
 
+// As the AVX-512 dequantize_group_block, in plain loops.
 template <int64_t F, typename T>
 void dequantize_group_block(const uint8_t* block, const uint16_t* halves, int64_t count, T* out, int64_t stride) {
   const uint8_t* ints = block + kWords<F> * kWordRowBytes;
