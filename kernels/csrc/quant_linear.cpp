@@ -485,9 +485,14 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t in_f
   at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* src = x + i * kBlock;
+      // amax is NaN where a value is: then, as for an infinity, quants 0 and a scale that makes the
+      // outputs NaN, as a float product's would be (not quants of an undefined conversion).
       float amax = 0.f;
-      for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(static_cast<float>(src[e])));
-      const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+      for (int64_t e = 0; e < kBlock; ++e) {
+        const float magnitude = std::fabs(static_cast<float>(src[e]));
+        amax = std::isnan(magnitude) || magnitude > amax ? magnitude : amax;
+      }
+      const float d = amax / 127.f, inverse = d > 0.f && std::isfinite(d) ? 1.f / d : 0.f;
       int8_t* q = a.quants.data() + i * kBlock;
       int32_t sum = 0;
       for (int64_t e = 0; e < kBlock; ++e) {

@@ -186,6 +186,15 @@ def test_packed_bytes(ggml_type: T, bytes_per_weight: float) -> None:
     assert weight.nbytes == 576 * 1536 * bytes_per_weight
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_and_inf_activations_give_nan(value: float) -> None:
+    weight = packed(T.Q4_1, (67, 256))
+    x = torch.ones(2, 256)
+    x[0, 40] = value
+    out = quantized_linear(x, weight)
+    assert out[0].isnan().all() and out[1].isfinite().all()
+
+
 def test_supported_types() -> None:
     assert supported_ggml_types() == {
         int(T.Q4_0): "Q4_0",
