@@ -1,10 +1,11 @@
 """Quantized linear layers (kernels/quant_linear.py) against bf16 ones of the same shape, on the CPU.
 
     python -m benchmarks.bench_quant_linear [--rows 1 64] [--rounds 10] [--threads 2] [--cold-mib 768]
+        [--formats Q4_1 Q8_0 Q4_K Q6_K]
 
 For each shape (SmolLM2-135M's MLP projections and LM head, a 1B Llama's MLP projections), Q4_1 and
-Q8_0 weights run `quantized_linear`; bf16 weights run `F.linear` as it is, and in the form
-kernels/linear.py prepares for this CPU. At one row every call reads its weight from memory, as a
+Q8_0 weights (or --formats) run `quantized_linear`; bf16 weights run `F.linear` as it is, and in
+the form kernels/linear.py prepares for this CPU. At one row every call reads its weight from memory, as a
 decode step does: each variant cycles through copies of its weight adding up to --cold-mib (this
 machine's L3 is large), and GB/s counts the weight bytes each call reads. Larger batches are bound
 by arithmetic, not memory: they use a few copies and report GFLOP/s. Variants run interleaved,
@@ -34,21 +35,30 @@ SHAPES = [
     ("1b gate", 2048, 8192),
     ("1b down", 8192, 2048),
 ]
-# ggml type id, bytes per block of 32 weights, float16 scales at the start of a block.
-FORMATS = {"Q4_1": (3, 20, 2), "Q8_0": (8, 34, 1)}
+# ggml type id, weights and bytes per block, where in a block its float16 scales are.
+FORMATS = {
+    "Q4_1": (3, 32, 20, (0, 2)),
+    "Q8_0": (8, 32, 34, (0,)),
+    "Q4_K": (12, 256, 144, (0, 2)),
+    "Q6_K": (14, 256, 210, (208,)),
+}
 WARM_COPIES = 3
 
 
 def random_blocks(name: str, out_features: int, in_features: int) -> QuantizedWeight:
-    """A packed weight of random quants and small positive scales."""
-    ggml_type, block_bytes, scale_count = FORMATS[name]
-    blocks = torch.randint(0, 256, (out_features * in_features // 32, block_bytes), dtype=torch.uint8)
-    scales = torch.full((blocks.shape[0], scale_count), 0.01, dtype=torch.float16)
-    blocks[:, : 2 * scale_count] = scales.view(torch.uint8)
+    """A packed weight of random quants (and K-quant sub-scales) and small positive float16 scales."""
+    ggml_type, block_weights, block_bytes, scale_offsets = FORMATS[name]
+    blocks = torch.randint(
+        0, 256, (out_features * in_features // block_weights, block_bytes), dtype=torch.uint8
+    )
+    for offset in scale_offsets:
+        blocks[:, offset : offset + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
     return pack_gguf_weight(blocks, ggml_type, (out_features, in_features))
 
 
-def variants(in_features: int, out_features: int, copies: int) -> dict[str, tuple[list, Callable, int]]:
+def variants(
+    in_features: int, out_features: int, copies: int, formats: list[str]
+) -> dict[str, tuple[list, Callable, int]]:
     """name -> (copies of the weight, call(x, weight), bytes of one weight)."""
     bf16 = [torch.randn(out_features, in_features).bfloat16() for _ in range(copies)]
     prepared = [prepare_weight(w, best_weight_form(w)) for w in bf16]
@@ -56,7 +66,9 @@ def variants(in_features: int, out_features: int, copies: int) -> dict[str, tupl
         "bf16 F.linear": (bf16, F.linear, bf16[0].nbytes),
         f"bf16 {best_weight_form(bf16[0]).value}": (prepared, linear, bf16[0].nbytes),
     }
-    for name in FORMATS:
+    # K-quants need rows of whole blocks of 256, which SmolLM2's 576 are not (GGUF files keep such
+    # tensors in 32-block formats).
+    for name in (name for name in formats if in_features % FORMATS[name][1] == 0):
         weights = [random_blocks(name, out_features, in_features) for _ in range(copies)]
         table[name] = (weights, quantized_linear, weights[0].nbytes)
     return table
@@ -68,7 +80,7 @@ def time_shape(
     """name -> (median seconds per call, bytes of its weight) of each variant."""
     largest = in_features * out_features * 2  # bf16's bytes
     copies = max(1, args.cold_mib * 2**20 // largest) if rows == 1 else WARM_COPIES
-    table = variants(in_features, out_features, copies)
+    table = variants(in_features, out_features, copies, args.formats)
     x = torch.randn(rows, in_features).bfloat16()
     seconds: dict[str, list[float]] = {name: [] for name in table}
     with torch.inference_mode():
@@ -87,6 +99,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cold-mib", type=int, default=768, help="weight bytes each variant cycles through")
+    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=["Q4_1", "Q8_0"])
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("the C++ kernels could not be built here (see the log line above)")

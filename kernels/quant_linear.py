@@ -6,9 +6,8 @@ the weight bytes each step reads, about as much time. Here they stay quantized:
 
 - `pack_gguf_weight` repacks a weight's blocks once at load, 16 output rows interleaved so that one
   vector instruction multiplies 4 quants of 16 rows by 4 activation values (the C++ file describes
-  the layout); it takes as many bytes as the file, but for K-quants, whose scales it keeps per
-  block of 32 (and Q5_K's and Q6_K's quants a byte each, for now): Q4_K 0.75 bytes a weight where
-  the file has 0.56, Q5_K 1.25 for 0.69, Q6_K 1.19 for 0.82.
+  the layout); it takes as many bytes as the file (Q4_K and Q5_K 2.8% and 2.3% more: their 6-bit
+  sub-scales and mins a byte each).
 - `quantized_linear` multiplies by it. Up to `GEMV_MAX_ROWS` rows (decoding, small prefills) the
   activations are quantized to int8 per block of 32 with a float32 scale, as llama.cpp does, and
   every output is a sum of exact integer dot products times the two scales: the weight is streamed
@@ -130,19 +129,22 @@ def dequantize(
 def quantized_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) for x of any leading dims ending in in_features, float32 or bf16; the
-    result has x's dtype."""
+    """x @ weight.T (+ bias) for x of any leading dims ending in in_features, float32 or bf16 (other
+    float dtypes take the panel path); the result has x's dtype, rounded to it once."""
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features:
         raise ValueError(f"x ends in {x.shape[-1]} features, the weight takes {in_features}")
     rows = x.reshape(-1, in_features)
-    if rows.shape[0] <= GEMV_MAX_ROWS:
-        out = torch.ops.raypage.quant_gemv(rows, weight.quants, weight.scales, weight.ggml_type, out_features)
+    if rows.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        out = torch.ops.raypage.quant_gemv(
+            rows, weight.quants, weight.scales, weight.ggml_type, out_features, bias
+        )
     else:
         out = _panel_matmul(rows, weight)
-    if bias is not None:
-        out += bias
-    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+        if bias is not None:
+            out += bias
+        out = out.to(x.dtype)
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 def _panel_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

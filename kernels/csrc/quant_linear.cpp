@@ -3,9 +3,9 @@
 // torch.ops.raypage.quant_pack(raw uint8, ggml_type, out_features, in_features) -> (quants, scales)
 //   Repacks a weight's GGUF blocks (each row whole blocks, as stored in the file) into the layout
 //   below, once at load.
-// torch.ops.raypage.quant_gemv(x [M, in], quants, scales, ggml_type, out_features) -> [M, out] float32
-//   The decode path: x quantized to int8 once per call, int8 dot products, the weight streamed once
-//   for all M rows.
+// torch.ops.raypage.quant_gemv(x [M, in], quants, scales, ggml_type, out_features, bias=None) -> [M, out]
+//   The decode path: x (float32 or bf16) quantized to int8 once per call, int8 dot products, the
+//   weight streamed once for all M rows; float32 sums plus the bias, rounded once to x's dtype.
 // torch.ops.raypage.quant_dequantize(quants, scales, ggml_type, first_row, out [in, rows] float32 or bf16)
 //   Rows of the weight's values, transposed, as gguf.quants.dequantize gives them (rounded to bf16
 //   for a bf16 out); the prefill path multiplies panels of these.
@@ -19,13 +19,17 @@
 // one vector of int32 lanes per group: lane r is output row r. The quants of a (group, block of 32)
 // are the rows' quant bytes cut into 4-byte words, word j of every row together: bytes [j][r][4], so
 // one 64-byte load holds 4 consecutive quant bytes of all 16 rows, exactly what one `vpdpbusd`
-// multiplies by 4 activation bytes broadcast to every lane. Q8_0, Q5_K and Q6_K keep a byte a quant
-// (8 words a block), Q4_0, Q4_1 and Q4_K a nibble (4 words: word j's low nibbles are quants 4j..4j+3,
-// its high nibbles quants 16+4j..16+4j+3, GGUF's own order for blocks of 32). The scales of a
-// (group, block) are 16 float16 each of: d; d, m (Q4_1); d, sc, sc' (Q6_K, a sub-scale per 16);
-// d, sc, dmin, m (Q4_K, Q5_K). float16 because a decode step is bound by the bytes it reads (16 of
-// them convert in one instruction), and the K-quants' small integers are exact in it.
-//   quants: uint8 [groups, blocks, words * 64], scales: float16 [groups, blocks, 1 to 4, 16]
+// multiplies by 4 activation bytes broadcast to every lane. Q8_0 keeps a byte a quant (8 words a
+// block), the others a nibble (4 words: word j's low nibbles are quants 4j..4j+3, its high nibbles
+// quants 16+4j..16+4j+3, GGUF's own order for blocks of 32), and Q5_K and Q6_K the quants' high bits
+// in 1 or 2 words more (read_block says where). The K-quants' 8-bit scales of a block follow its
+// words, 16 bytes each: Q6_K's two int8 sub-scales (one per 16 quants), Q4_K's and Q5_K's sc and m.
+// The float16 scales, 16 each per (group, file block: 32 weights, or 256 for K-quants), are their
+// own tensor: d; d, m (Q4_1); d, dmin (Q4_K, Q5_K). Kept as float16, the bytes the file has,
+// because a decode step is bound by the bytes it reads (16 of them convert in one instruction).
+// So the packed weight has the file's bytes, but for the 6-bit sc and m kept a byte each.
+//   quants: uint8 [groups, blocks of 32, words * 64 (+ 32 for K-quants)]
+//   scales: float16 [groups, file blocks, 1 or 2, 16]
 //
 // Arithmetic of the decode path: each row of x is quantized per block of 32 to int8 q_x with a
 // float32 scale d_x = max|x| / 127 (llama.cpp's Q8_0 activations, scale kept in float32), and the
@@ -42,8 +46,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -60,40 +66,47 @@ constexpr int64_t kBlock = 32;      // weights per block, in every format here
 constexpr int64_t kGroupRows = 16;  // output rows per group: one vector of 16 int32 lanes
 constexpr int64_t kWordBytes = 4;   // quant bytes per row that one dot-product lane takes at a time
 constexpr int64_t kWordRowBytes = kGroupRows * kWordBytes;
-constexpr int64_t kRowsPerPass = 4;  // activation rows that share one load of the weights' registers
+constexpr int kRowsPerPass = 4;  // activation rows that share one load of the weights' registers
 
 enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 struct Layout {
   int64_t raw_block_weights;  // weights of one block in the GGUF file: 32, or 256 for K-quants
   int64_t raw_block_bytes;    // bytes of one such block
-  int64_t scales;             // float16 scales (of 16 rows each) a packed block of 32 has
-  int64_t words;              // 4-byte quant words per row and packed block
+  int64_t words;              // 4-byte quant words per row and packed block of 32
+  int64_t half_scales;        // float16 scales (of 16 rows each) per file block
+  int64_t int_scales;         // 8-bit scales (of 16 rows each) after the quant words of a packed block
+
+  int64_t blocks_per_scale() const { return raw_block_weights / kBlock; }
+  int64_t group_block_bytes() const { return words * kWordRowBytes + int_scales * kGroupRows; }
 };
 
 Layout layout_of(int64_t format) {
   switch (format) {
-    case kQ4_0: return {32, 18, 1, 4};
-    case kQ4_1: return {32, 20, 2, 4};
-    case kQ8_0: return {32, 34, 1, 8};
-    case kQ4_K: return {256, 144, 4, 4};
-    case kQ5_K: return {256, 176, 4, 8};
-    case kQ6_K: return {256, 210, 3, 8};
+    case kQ4_0: return {32, 18, 4, 1, 0};
+    case kQ4_1: return {32, 20, 4, 2, 0};
+    case kQ8_0: return {32, 34, 8, 1, 0};
+    case kQ4_K: return {256, 144, 4, 2, 2};
+    case kQ5_K: return {256, 176, 5, 2, 2};
+    case kQ6_K: return {256, 210, 6, 1, 2};
     default:
       TORCH_CHECK(false, "quant_linear: unsupported ggml type ", format,
                   " (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
   }
 }
 
-// Q8_0 and Q6_K keep a byte a quant (8 words a block), Q4 formats a nibble (4 words).
+// Q8_0 keeps a byte a quant (8 words a block), the others a nibble (4 words), and Q5_K and Q6_K
+// their quants' fifth, or fifth and sixth, bits in 1 or 2 words more.
 template <int64_t F>
-constexpr bool kBytePerQuant = F == kQ8_0 || F == kQ5_K || F == kQ6_K;
+constexpr bool kBytePerQuant = F == kQ8_0;
 template <int64_t F>
-constexpr int64_t kWords = kBytePerQuant<F> ? 8 : 4;
+constexpr int kHighBits = F == kQ5_K ? 1 : F == kQ6_K ? 2 : 0;
+template <int64_t F>
+constexpr int64_t kLowWords = kBytePerQuant<F> ? 8 : 4;  // the words of each quant's low byte or nibble
+template <int64_t F>
+constexpr int64_t kWords = kLowWords<F> + kHighBits<F>;  // layout_of(F).words
 template <int64_t F>
 constexpr int kNibbles = kBytePerQuant<F> ? 1 : 2;
-template <int64_t F>
-constexpr int64_t kScales = F == kQ4_1 ? 2 : F == kQ6_K ? 3 : F == kQ4_K || F == kQ5_K ? 4 : 1;  // layout_of(F).scales
 // Q4_K and Q5_K: weights (d * sc) * q - dmin * m, sc and m 6-bit integers per block of 32.
 template <int64_t F>
 constexpr bool kScaledMin = F == kQ4_K || F == kQ5_K;
@@ -103,6 +116,31 @@ constexpr bool kHasMin = F == kQ4_1 || kScaledMin<F>;
 // What is subtracted from the unsigned quants the packed layout keeps (Q8_0's are signed).
 template <int64_t F>
 constexpr int32_t kQuantOffset = F == kQ4_0 ? 8 : F == kQ6_K ? 32 : 0;
+// layout_of(F)'s numbers, for the kernels.
+template <int64_t F>
+constexpr int64_t kHalfScales = F == kQ4_1 || kScaledMin<F> ? 2 : 1;
+template <int64_t F>
+constexpr int64_t kIntScales = F == kQ6_K || kScaledMin<F> ? 2 : 0;
+template <int64_t F>
+constexpr int64_t kBlocksPerScale = F == kQ6_K || kScaledMin<F> ? 8 : 1;
+template <int64_t F>
+constexpr int64_t kGroupBlockBytes = kWords<F> * kWordRowBytes + kIntScales<F> * kGroupRows;
+
+// The kernels see up to 4 scales a block of 32, "slots": d; then Q4_1's m; Q6_K's two sub-scales
+// (int8, one per 16 quants); the K-quants' sc, dmin, m. A slot is either a float16 of the scales
+// tensor (`index` of its file block's) or an 8-bit integer after the block's quant words.
+struct Slot {
+  bool integer;
+  int index;
+};
+
+template <int64_t F>
+constexpr Slot slot_of(int slot) {
+  if (slot == 0) return {false, 0};
+  if constexpr (F == kQ4_1) return {false, 1};
+  if constexpr (F == kQ6_K) return {true, slot - 1};
+  return slot == 1 ? Slot{true, 0} : slot == 2 ? Slot{false, 1} : Slot{true, 1};
+}
 
 // Calls body(std::integral_constant<int64_t, format>{}): the kernels are compiled once a format.
 template <typename Body>
@@ -122,11 +160,12 @@ void dispatch_format(int64_t format, Body body) {
 void check_packed(const at::Tensor& quants, const at::Tensor& scales, int64_t format, const char* op) {
   const Layout layout = layout_of(format);
   TORCH_CHECK(quants.dim() == 3 && quants.scalar_type() == at::kByte && quants.is_contiguous() &&
-                  quants.size(2) == layout.words * kWordRowBytes,
+                  quants.size(2) == layout.group_block_bytes() && quants.size(1) % layout.blocks_per_scale() == 0,
               op, ": quants are not a packed ggml type ", format, " weight: ", quants.scalar_type(), " ",
               quants.sizes());
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({quants.size(0), quants.size(1), layout.scales, kGroupRows}),
+                  scales.sizes() == at::IntArrayRef({quants.size(0), quants.size(1) / layout.blocks_per_scale(),
+                                                     layout.half_scales, kGroupRows}),
               op, ": scales do not match the quants: ", scales.sizes());
 }
 
@@ -137,10 +176,9 @@ void check_packed(const at::Tensor& quants, const at::Tensor& scales, int64_t fo
 // its float16 scales.
 struct PackedBlock {
   uint8_t quants[kBlock];
-  uint16_t scales[4];
+  uint16_t halves[2];  // float16 bits: d; d, m; or d, dmin
+  uint8_t ints[2];     // Q6_K's int8 sub-scales, or the K-quants' sc and m
 };
-
-inline uint16_t half_bits(float x) { return c10::Half(x).x; }
 
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K or Q5_K block, from its 12 packed bytes.
 std::pair<int, int> k_scale_min(const uint8_t* packed, int64_t j) {
@@ -149,8 +187,8 @@ std::pair<int, int> k_scale_min(const uint8_t* packed, int64_t j) {
 }
 
 // The quants of sub-block j of a K-quant block of 256, unsigned, and its scales: Q6_K's d and two
-// sub-scales, or the d, sc, dmin, m of Q4_K and Q5_K (small integers, exact in float16).
-void read_k_block(int64_t format, const uint8_t* block, int64_t j, uint8_t* q, uint16_t* scales) {
+// sub-scales, or the d, dmin and 6-bit sc, m of Q4_K and Q5_K.
+void read_k_block(int64_t format, const uint8_t* block, int64_t j, uint8_t* q, PackedBlock& packed) {
   if (format == kQ6_K) {
     // ql[128] (low 4 bits), qh[64] (high 2), 16 int8 sub-scales (one per 16 weights), d. Weight
     // k = 32j + e, h = k / 128, i = k % 128: ql[64h + i % 64] >> 4 (i / 64) and qh[32h + i % 32] >> 2 (i / 32).
@@ -159,9 +197,8 @@ void read_k_block(int64_t format, const uint8_t* block, int64_t j, uint8_t* q, u
       const int64_t k = j * kBlock + e, h = k / 128, i = k % 128;
       q[e] = ((ql[64 * h + i % 64] >> (4 * (i / 64))) & 0x0F) | ((qh[32 * h + i % 32] >> (2 * (i / 32))) & 3) << 4;
     }
-    std::memcpy(scales, block + 208, 2);
-    const int8_t* sub_scales = reinterpret_cast<const int8_t*>(block + 192);
-    for (int half = 0; half < 2; ++half) scales[1 + half] = half_bits(sub_scales[2 * j + half]);
+    std::memcpy(packed.halves, block + 208, 2);
+    for (int half = 0; half < 2; ++half) packed.ints[half] = block[192 + 2 * j + half];
     return;
   }
   // Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, qs[128]: weight e of sub-block j in the low
@@ -172,26 +209,32 @@ void read_k_block(int64_t format, const uint8_t* block, int64_t j, uint8_t* q, u
     if (format == kQ5_K) q[e] |= ((block[16 + e] >> j) & 1) << 4;
   }
   const auto [scale, min] = k_scale_min(block + 4, j);
-  std::memcpy(scales, block, 2);
-  scales[1] = half_bits(static_cast<float>(scale));
-  std::memcpy(scales + 2, block + 2, 2);
-  scales[3] = half_bits(static_cast<float>(min));
+  std::memcpy(packed.halves, block, 4);
+  packed.ints[0] = static_cast<uint8_t>(scale);
+  packed.ints[1] = static_cast<uint8_t>(min);
 }
 
 PackedBlock read_block(int64_t format, const Layout& layout, const uint8_t* row, int64_t b) {
   PackedBlock packed{};
   if (layout.raw_block_weights == kBlock) {  // d (and m) first, then the quants as they are
     const uint8_t* block = row + b * layout.raw_block_bytes;
-    std::memcpy(packed.scales, block, 2 * layout.scales);
-    std::memcpy(packed.quants, block + 2 * layout.scales, layout.words * kWordBytes);
+    std::memcpy(packed.halves, block, 2 * layout.half_scales);
+    std::memcpy(packed.quants, block + 2 * layout.half_scales, layout.words * kWordBytes);
     return packed;
   }
   uint8_t q[kBlock];
-  read_k_block(format, row + (b / 8) * layout.raw_block_bytes, b % 8, q, packed.scales);
-  if (layout.words == 8) {
-    std::memcpy(packed.quants, q, kBlock);
-  } else {  // nibbles as GGUF's 32-blocks have them: byte e holds weights e and 16 + e
-    for (int64_t e = 0; e < 16; ++e) packed.quants[e] = q[e] | q[16 + e] << 4;
+  read_k_block(format, row + (b / 8) * layout.raw_block_bytes, b % 8, q, packed);
+  // Nibbles as GGUF's 32-blocks have them: byte e holds quants e and 16 + e, so word j's byte e
+  // holds quants 4j + e + 16 * nibble. Then for Q5_K and Q6_K the high bits: quant 4j + e + 16 * n
+  // has number u = j + 4n (0..7), and its bits are bits hb * (u % (8 / hb)) on of byte e of high
+  // word u / (8 / hb), hb the high bits a quant.
+  for (int64_t e = 0; e < 16; ++e) packed.quants[e] = (q[e] & 0x0F) | (q[16 + e] & 0x0F) << 4;
+  const int64_t high_bits = layout.words - 4, per_word = high_bits ? 8 / high_bits : 0;
+  for (int64_t u = 0; u < 8 && high_bits; ++u) {
+    for (int64_t e = 0; e < kWordBytes; ++e) {
+      const int64_t quant = 4 * (u % 4) + e + 16 * (u / 4);
+      packed.quants[16 + kWordBytes * (u / per_word) + e] |= (q[quant] >> 4) << (high_bits * (u % per_word));
+    }
   }
   return packed;
 }
@@ -207,10 +250,11 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t for
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == out_features * row_bytes,
               "quant_pack: raw must be ", out_features * row_bytes, " contiguous uint8 bytes for [", out_features, ", ",
               in_features, "], got ", raw.numel(), " of ", raw.scalar_type());
-  const int64_t group_block_bytes = layout.words * kWordRowBytes;
+  const int64_t group_block_bytes = layout.group_block_bytes(), file_blocks = blocks / layout.blocks_per_scale();
   // Zeros: the padding rows of the last group have zero scales and quants, and produce 0.
   at::Tensor quants = at::zeros({groups, blocks, group_block_bytes}, raw.options());
-  at::Tensor scales = at::zeros({groups, blocks, layout.scales, kGroupRows}, raw.options().dtype(at::kHalf));
+  at::Tensor scales =
+      at::zeros({groups, file_blocks, layout.half_scales, kGroupRows}, raw.options().dtype(at::kHalf));
   const uint8_t* src = raw.const_data_ptr<uint8_t>();
   uint8_t* dst = quants.mutable_data_ptr<uint8_t>();
   uint16_t* dst_scales = reinterpret_cast<uint16_t*>(scales.mutable_data_ptr<at::Half>());
@@ -220,12 +264,14 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t for
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t b = 0; b < blocks; ++b) {
           const PackedBlock block = read_block(format, layout, src + (g * kGroupRows + r) * row_bytes, b);
-          const int64_t at = g * blocks + b;
-          for (int64_t i = 0; i < layout.scales; ++i)
-            dst_scales[(at * layout.scales + i) * kGroupRows + r] = block.scales[i];
+          const int64_t file_block = g * file_blocks + b / layout.blocks_per_scale();
+          for (int64_t i = 0; i < layout.half_scales; ++i)  // the same for each block of a file block
+            dst_scales[(file_block * layout.half_scales + i) * kGroupRows + r] = block.halves[i];
+          uint8_t* packed = dst + (g * blocks + b) * group_block_bytes;
           for (int64_t j = 0; j < layout.words; ++j)
-            std::memcpy(dst + at * group_block_bytes + j * kWordRowBytes + r * kWordBytes,
-                        block.quants + j * kWordBytes, kWordBytes);
+            std::memcpy(packed + j * kWordRowBytes + r * kWordBytes, block.quants + j * kWordBytes, kWordBytes);
+          for (int64_t i = 0; i < layout.int_scales; ++i)
+            packed[layout.words * kWordRowBytes + i * kGroupRows + r] = block.ints[i];
         }
       }
     }
@@ -241,9 +287,73 @@ inline float half_to_float(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
+// Scale slot `slot` of row r: `halves` the block's float16 scales, `ints` its 8-bit ones.
+template <int64_t F>
+inline float slot_value(const uint16_t* halves, const uint8_t* ints, int slot, int64_t r) {
+  const Slot s = slot_of<F>(slot);
+  if (!s.integer) return half_to_float(halves[s.index * kGroupRows + r]);
+  const uint8_t bits = ints[s.index * kGroupRows + r];
+  return static_cast<float>(F == kQ6_K ? static_cast<int8_t>(bits) : bits);
+}
+
 template <typename T>
 inline void store_lanes(const float* values, int64_t count, T* out) {
   for (int64_t r = 0; r < count; ++r) out[r] = static_cast<T>(values[r]);
+}
+
+// Where quant 4j + e + 16 * nibble keeps its high bits (Q5_K, Q6_K): word kLowWords + the first,
+// from the bit the second on, in byte e (see read_block).
+template <int64_t F>
+constexpr std::pair<int64_t, int> high_bits_at(int64_t j, int nibble) {
+  constexpr int per_word = 8 / kHighBits<F>;
+  const int u = static_cast<int>(j) + 4 * nibble;
+  return {kLowWords<F> + u / per_word, kHighBits<F> * (u % per_word)};
+}
+
+inline uint32_t load_word(const uint8_t* block, int64_t j, int64_t r) {
+  uint32_t word;
+  std::memcpy(&word, block + j * kWordRowBytes + r * kWordBytes, kWordBytes);
+  return word;
+}
+
+// Quant 4j + e + 16 * nibble of row r of a packed block, its offset subtracted.
+template <int64_t F>
+inline int32_t quant_of(const uint8_t* block, int64_t r, int64_t j, int e, int nibble) {
+  if constexpr (F == kQ8_0) return static_cast<int8_t>(load_word(block, j, r) >> (8 * e));
+  uint32_t q = (load_word(block, j, r) >> (8 * e + 4 * nibble)) & 0x0F;
+  if constexpr (kHighBits<F> > 0) {
+    const auto [word, bit] = high_bits_at<F>(j, nibble);
+    q |= ((load_word(block, word, r) >> (8 * e + bit)) & ((1u << kHighBits<F>) - 1)) << 4;
+  }
+  return static_cast<int32_t>(q) - kQuantOffset<F>;
+}
+
+#if defined(__AVX512F__)
+
+// quant_of for all 16 rows of a group, `words` its block's words.
+template <int64_t F>
+inline __m512i quants_of(const __m512i* words, int64_t j, int e, int nibble) {
+  if constexpr (F == kQ8_0)  // byte e to the top, then back down with its sign
+    return _mm512_srai_epi32(_mm512_sllv_epi32(words[j], _mm512_set1_epi32(24 - 8 * e)), 24);
+  const __m512i bits = _mm512_srlv_epi32(words[j], _mm512_set1_epi32(8 * e + 4 * nibble));
+  __m512i q = _mm512_and_si512(bits, _mm512_set1_epi32(0x0F));
+  if constexpr (kHighBits<F> > 0) {
+    const auto [word, bit] = high_bits_at<F>(j, nibble);
+    const __m512i high = _mm512_and_si512(_mm512_srlv_epi32(words[word], _mm512_set1_epi32(8 * e + bit)),
+                                          _mm512_set1_epi32((1 << kHighBits<F>) - 1));
+    q = _mm512_or_si512(q, _mm512_slli_epi32(high, 4));
+  }
+  return kQuantOffset<F> ? _mm512_sub_epi32(q, _mm512_set1_epi32(kQuantOffset<F>)) : q;
+}
+
+// slot_value for all 16 rows.
+template <int64_t F>
+inline __m512 slot_lanes(const uint16_t* halves, const uint8_t* ints, int slot) {
+  const Slot s = slot_of<F>(slot);
+  if (!s.integer)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + s.index * kGroupRows)));
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + s.index * kGroupRows));
+  return _mm512_cvtepi32_ps(F == kQ6_K ? _mm512_cvtepi8_epi32(bits) : _mm512_cvtepu8_epi32(bits));
 }
 
 // One (group, block) into rows [0, 32) of `out` (row stride `stride`), its `count` leading columns:
@@ -251,43 +361,23 @@ inline void store_lanes(const float* values, int64_t count, T* out) {
 // the build contracts no multiply-adds; d times Q6_K's sub-scale or the K-quants' sc first, and
 // dmin * m subtracted). Word j of a row holds quants 4j..4j+3 (a byte each: byte e is quant 4j+e)
 // or, in nibbles, quants 4j..4j+3 and 16+4j..16+4j+3 (byte e's low nibble, then its high one).
-template <int64_t F>
-inline int32_t signed_quant(uint32_t bits) {  // bits: the quant in the lowest byte or nibble
-  if constexpr (F == kQ8_0) return static_cast<int8_t>(bits & 0xFF);
-  return static_cast<int32_t>(bits & (kBytePerQuant<F> ? 0xFF : 0x0F)) - kQuantOffset<F>;
-}
-
-#if defined(__AVX512F__)
-
-template <int64_t F>
-inline __m512i quants_of(__m512i words, int e, int nibble) {
-  if constexpr (F == kQ8_0)  // byte e to the top, then back down with its sign
-    return _mm512_srai_epi32(_mm512_sllv_epi32(words, _mm512_set1_epi32(24 - 8 * e)), 24);
-  const __m512i bits = _mm512_srlv_epi32(words, _mm512_set1_epi32(8 * e + 4 * nibble));
-  const __m512i q = _mm512_and_si512(bits, _mm512_set1_epi32(kBytePerQuant<F> ? 0xFF : 0x0F));
-  return kQuantOffset<F> ? _mm512_sub_epi32(q, _mm512_set1_epi32(kQuantOffset<F>)) : q;
-}
-
-inline __m512 load_halves(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 template <int64_t F, typename T>
-void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
-  const __m512 d = load_halves(scales);
-  const __m512 block_scale = kScaledMin<F> ? _mm512_mul_ps(d, load_halves(scales + kGroupRows)) : d;
-  const __m512 m = F == kQ4_1 ? load_halves(scales + kGroupRows)
-                   : kScaledMin<F>
-                       ? _mm512_mul_ps(load_halves(scales + 2 * kGroupRows), load_halves(scales + 3 * kGroupRows))
-                       : _mm512_setzero_ps();
-  for (int64_t j = 0; j < kWords<F>; ++j) {
-    // Q6_K: quants 0..15 have the first sub-scale, 16..31 the second.
-    const __m512 scale =
-        F == kQ6_K ? _mm512_mul_ps(d, load_halves(scales + (j < 4 ? 1 : 2) * kGroupRows)) : block_scale;
-    const __m512i word = _mm512_loadu_si512(block + j * kWordRowBytes);
+void dequantize_group_block(const uint8_t* block, const uint16_t* halves, int64_t count, T* out, int64_t stride) {
+  const uint8_t* ints = block + kWords<F> * kWordRowBytes;
+  const __m512 d = slot_lanes<F>(halves, ints, 0);
+  const __m512 block_scale = kScaledMin<F> ? _mm512_mul_ps(d, slot_lanes<F>(halves, ints, 1)) : d;
+  const __m512 m = F == kQ4_1 ? slot_lanes<F>(halves, ints, 1)
+                   : kScaledMin<F> ? _mm512_mul_ps(slot_lanes<F>(halves, ints, 2), slot_lanes<F>(halves, ints, 3))
+                                   : _mm512_setzero_ps();
+  // Q6_K: quants 0..15 (the low nibbles) have the first sub-scale, 16..31 the second.
+  const __m512 sub_scaled[2] = {F == kQ6_K ? _mm512_mul_ps(d, slot_lanes<F>(halves, ints, 1)) : block_scale,
+                                F == kQ6_K ? _mm512_mul_ps(d, slot_lanes<F>(halves, ints, 2)) : block_scale};
+  __m512i words[kWords<F>];
+  for (int64_t j = 0; j < kWords<F>; ++j) words[j] = _mm512_loadu_si512(block + j * kWordRowBytes);
+  for (int64_t j = 0; j < kLowWords<F>; ++j) {
     for (int e = 0; e < kWordBytes; ++e) {
       for (int nibble = 0; nibble < kNibbles<F>; ++nibble) {
-        __m512 values = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(quants_of<F>(word, e, nibble)));
+        __m512 values = _mm512_mul_ps(sub_scaled[nibble], _mm512_cvtepi32_ps(quants_of<F>(words, j, e, nibble)));
         if constexpr (F == kQ4_1) values = _mm512_add_ps(values, m);
         if constexpr (kScaledMin<F>) values = _mm512_sub_ps(values, m);
         T* row = out + (kWordBytes * j + e + 16 * nibble) * stride;
@@ -305,23 +395,23 @@ void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_
 
 #else
 
+// As the AVX-512 dequantize_group_block, in plain loops.
 template <int64_t F, typename T>
-void dequantize_group_block(const uint8_t* block, const uint16_t* scales, int64_t count, T* out, int64_t stride) {
-  for (int64_t j = 0; j < kWords<F>; ++j) {
-    uint32_t word[kGroupRows];
-    std::memcpy(word, block + j * kWordRowBytes, sizeof(word));
+void dequantize_group_block(const uint8_t* block, const uint16_t* halves, int64_t count, T* out, int64_t stride) {
+  const uint8_t* ints = block + kWords<F> * kWordRowBytes;
+  for (int64_t j = 0; j < kLowWords<F>; ++j) {
     for (int e = 0; e < kWordBytes; ++e) {
       for (int nibble = 0; nibble < kNibbles<F>; ++nibble) {
         float values[kGroupRows];
         for (int64_t r = 0; r < kGroupRows; ++r) {
-          const float d = half_to_float(scales[r]);
-          const float scale = F == kQ6_K      ? d * half_to_float(scales[(j < 4 ? 1 : 2) * kGroupRows + r])
-                              : kScaledMin<F> ? d * half_to_float(scales[kGroupRows + r])
+          const float d = slot_value<F>(halves, ints, 0, r);
+          const float scale = F == kQ6_K      ? d * slot_value<F>(halves, ints, 1 + nibble, r)
+                              : kScaledMin<F> ? d * slot_value<F>(halves, ints, 1, r)
                                               : d;
-          values[r] = scale * static_cast<float>(signed_quant<F>(word[r] >> (8 * e + 4 * nibble)));
-          if constexpr (F == kQ4_1) values[r] += half_to_float(scales[kGroupRows + r]);
+          values[r] = scale * static_cast<float>(quant_of<F>(block, r, j, e, nibble));
+          if constexpr (F == kQ4_1) values[r] += slot_value<F>(halves, ints, 1, r);
           if constexpr (kScaledMin<F>)
-            values[r] -= half_to_float(scales[2 * kGroupRows + r]) * half_to_float(scales[3 * kGroupRows + r]);
+            values[r] -= slot_value<F>(halves, ints, 2, r) * slot_value<F>(halves, ints, 3, r);
         }
         store_lanes(values, count, out + (kWordBytes * j + e + 16 * nibble) * stride);
       }
@@ -347,7 +437,7 @@ void quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_
               kGroupRows, " inside the weight");
   const uint8_t* q = quants.const_data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
-  const int64_t group_block_bytes = quants.size(2), first_group = first_row / kGroupRows;
+  const int64_t first_group = first_row / kGroupRows;
   auto run = [&](auto format_tag, auto* o) {
     constexpr int64_t F = decltype(format_tag)::value;
     // A block's 32 rows of out at a time, left to right: whole cache lines, written once.
@@ -355,7 +445,8 @@ void quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t g = 0; g * kGroupRows < rows; ++g) {
           const int64_t at = (first_group + g) * blocks + b;
-          dequantize_group_block<F>(q + at * group_block_bytes, s + at * kScales<F> * kGroupRows,
+          const int64_t file_block = (first_group + g) * (blocks / kBlocksPerScale<F>) + b / kBlocksPerScale<F>;
+          dequantize_group_block<F>(q + at * kGroupBlockBytes<F>, s + file_block * kHalfScales<F> * kGroupRows,
                                     std::min(kGroupRows, rows - g * kGroupRows),
                                     o + b * kBlock * stride + g * kGroupRows, stride);
         }
@@ -386,20 +477,26 @@ struct QuantizedActivations {
   int32_t low_sum(int64_t m, int64_t b) const { return low_sums[m * blocks + b]; }
 };
 
-QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t in_features) {
+template <typename T>
+QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t in_features) {
   const int64_t blocks = in_features / kBlock;
   QuantizedActivations a{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * blocks),
                          std::vector<int32_t>(rows * blocks), std::vector<int32_t>(rows * blocks), in_features, blocks};
   at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* src = x + i * kBlock;
+      const T* src = x + i * kBlock;
+      // amax is NaN where a value is: then, as for an infinity, quants 0 and a scale that makes the
+      // outputs NaN, as a float product's would be (not quants of an undefined conversion).
       float amax = 0.f;
-      for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(src[e]));
-      const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+      for (int64_t e = 0; e < kBlock; ++e) {
+        const float magnitude = std::fabs(static_cast<float>(src[e]));
+        amax = std::isnan(magnitude) || magnitude > amax ? magnitude : amax;
+      }
+      const float d = amax / 127.f, inverse = d > 0.f && std::isfinite(d) ? 1.f / d : 0.f;
       int8_t* q = a.quants.data() + i * kBlock;
       int32_t sum = 0;
       for (int64_t e = 0; e < kBlock; ++e) {
-        q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(src[e] * inverse), -127.f, 127.f));
+        q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(src[e]) * inverse), -127.f, 127.f));
         sum += q[e];
         if (e == 15) a.low_sums[i] = sum;
       }
@@ -421,12 +518,13 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
 
 #if defined(__AVX512VNNI__)
 
-// `vpdpbusd` multiplies unsigned weight bytes by signed activation bytes, 4 a lane. Q4 and Q6_K
-// quants are unsigned already; Q8_0's signed ones are flipped to q + 128 (xor 0x80).
+// `vpdpbusd` multiplies unsigned weight bytes by signed activation bytes, 4 a lane. Q4, Q5_K and
+// Q6_K quants are unsigned already; Q8_0's signed ones are flipped to q + 128 (xor 0x80). w[u] holds
+// quants 4 (u % 4) .. 4 (u % 4) + 3 + 16 (u / 4) of every row, a byte each.
 template <int64_t F>
 inline void load_weights(const uint8_t* block, __m512i (&w)[8]) {
   if constexpr (kBytePerQuant<F>) {
-    const __m512i flip = _mm512_set1_epi8(F == kQ8_0 ? static_cast<char>(0x80) : 0);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(_mm512_loadu_si512(block + j * kWordRowBytes), flip);
   } else {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -434,6 +532,18 @@ inline void load_weights(const uint8_t* block, __m512i (&w)[8]) {
       const __m512i packed = _mm512_loadu_si512(block + j * kWordRowBytes);
       w[j] = _mm512_and_si512(packed, nibble);
       w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+    if constexpr (kHighBits<F> > 0) {
+      // Each quant's high bits to bits 4.. of its byte: 16-bit shifts, whose spill into the
+      // neighbouring byte the mask drops.
+      const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << kHighBits<F>) - 1) << 4));
+      for (int u = 0; u < 8; ++u) {
+        const auto [word, bit] = high_bits_at<F>(u % 4, u / 4);
+        const __m512i high = _mm512_loadu_si512(block + word * kWordRowBytes);
+        const __m512i moved = bit <= 4 ? _mm512_sll_epi16(high, _mm_cvtsi32_si128(4 - bit))
+                                       : _mm512_srl_epi16(high, _mm_cvtsi32_si128(bit - 4));
+        w[u] = _mm512_or_si512(w[u], _mm512_and_si512(moved, mask));
+      }
     }
   }
 }
@@ -460,14 +570,16 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
   for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     __m512i w[8];
-    load_weights<F>(quants + b * kWords<F> * kWordRowBytes, w);
-    const uint16_t* s = scales + b * kScales<F> * kGroupRows;
-    const __m512 d = load_halves(s);
-    const __m512 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, a sub-scale, or sc
-    const __m512 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;  // a sub-scale, or dmin
+    const uint8_t* block = quants + b * kGroupBlockBytes<F>;
+    load_weights<F>(block, w);
+    const uint16_t* halves = scales + b / kBlocksPerScale<F> * kHalfScales<F> * kGroupRows;
+    const uint8_t* ints = block + kWords<F> * kWordRowBytes;
+    const __m512 d = slot_lanes<F>(halves, ints, 0);
+    const __m512 second = F != kQ4_0 && F != kQ8_0 ? slot_lanes<F>(halves, ints, 1) : d;  // m, a sub-scale, or sc
+    const __m512 third = F == kQ6_K || kScaledMin<F> ? slot_lanes<F>(halves, ints, 2) : d;  // a sub-scale, or dmin
     const __m512 scale = kScaledMin<F> ? _mm512_mul_ps(d, second) : d;
     const __m512 min =
-        kScaledMin<F> ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(third, load_halves(s + 3 * kGroupRows)))
+        kScaledMin<F> ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(third, slot_lanes<F>(halves, ints, 3)))
                       : second;
     for (int i = 0; i < MC; ++i) {
       const int8_t* x = a.block_quants(m0 + i, b);
@@ -487,7 +599,7 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
 #elif defined(__AVX2__)
 
 // `vpmaddubsw` multiplies unsigned by signed bytes into saturating int16 pairs: fine for Q4's 0..15
-// and Q6_K's 0..63, not for Q8_0 flipped to 0..255, so Q8_0 takes the sign trick instead: |q_w|
+// up to Q6_K's 0..63, not for Q8_0 flipped to 0..255, so Q8_0 takes the sign trick instead: |q_w|
 // times q_x with q_w's sign, at most 2 * 128 * 127 a pair. 8 int32 lanes a vector: a group is two
 // halves of 8 rows.
 template <int64_t F>
@@ -501,6 +613,16 @@ inline void load_weights(const uint8_t* block, int half, __m256i (&w)[8]) {
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * kWordRowBytes));
       w[j] = _mm256_and_si256(packed, nibble);
       w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    }
+    if constexpr (kHighBits<F> > 0) {  // as the AVX-512 load_weights
+      const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << kHighBits<F>) - 1) << 4));
+      for (int u = 0; u < 8; ++u) {
+        const auto [word, bit] = high_bits_at<F>(u % 4, u / 4);
+        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + word * kWordRowBytes));
+        const __m256i moved = bit <= 4 ? _mm256_sll_epi16(high, _mm_cvtsi32_si128(4 - bit))
+                                       : _mm256_srl_epi16(high, _mm_cvtsi32_si128(bit - 4));
+        w[u] = _mm256_or_si256(w[u], _mm256_and_si256(moved, mask));
+      }
     }
   }
 }
@@ -522,8 +644,14 @@ inline __m256 half_dot(const __m256i* w, const int8_t* x, int32_t offset) {
   return _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(offset)));
 }
 
-inline __m256 load_halves(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// slot_value for 8 rows.
+template <int64_t F>
+inline __m256 slot_lanes(const uint16_t* halves, const uint8_t* ints, int slot) {
+  const Slot s = slot_of<F>(slot);
+  if (!s.integer)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + s.index * kGroupRows)));
+  const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ints + s.index * kGroupRows));
+  return _mm256_cvtepi32_ps(F == kQ6_K ? _mm256_cvtepi8_epi32(bits) : _mm256_cvtepu8_epi32(bits));
 }
 
 template <int64_t F, int MC>
@@ -534,14 +662,16 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
     for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.blocks; ++b) {
       __m256i w[8];
-      load_weights<F>(quants + b * kWords<F> * kWordRowBytes, half, w);
-      const uint16_t* s = scales + b * kScales<F> * kGroupRows + half * 8;
-      const __m256 d = load_halves(s);
-      const __m256 second = kScales<F> > 1 ? load_halves(s + kGroupRows) : d;  // m, a sub-scale, or sc
-      const __m256 third = kScales<F> > 2 ? load_halves(s + 2 * kGroupRows) : d;  // a sub-scale, or dmin
+      const uint8_t* block = quants + b * kGroupBlockBytes<F>;
+      load_weights<F>(block, half, w);
+      const uint16_t* halves = scales + b / kBlocksPerScale<F> * kHalfScales<F> * kGroupRows + half * 8;
+      const uint8_t* ints = block + kWords<F> * kWordRowBytes + half * 8;
+      const __m256 d = slot_lanes<F>(halves, ints, 0);
+      const __m256 second = F != kQ4_0 && F != kQ8_0 ? slot_lanes<F>(halves, ints, 1) : d;  // m, a sub-scale, or sc
+      const __m256 third = F == kQ6_K || kScaledMin<F> ? slot_lanes<F>(halves, ints, 2) : d;  // a sub-scale, or dmin
       const __m256 scale = kScaledMin<F> ? _mm256_mul_ps(d, second) : d;
       const __m256 min =
-          kScaledMin<F> ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(third, load_halves(s + 3 * kGroupRows)))
+          kScaledMin<F> ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(third, slot_lanes<F>(halves, ints, 3)))
                         : second;
       for (int i = 0; i < MC; ++i) {
         const int8_t* x = a.block_quants(m0 + i, b);
@@ -562,11 +692,11 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
 
 #else
 
-// Quant i (0..31) of row r of a packed block, its offset subtracted (Q4_1's m is added apart).
+// Quant i (0..31) of row r of a packed block, its offset subtracted (a min is added apart).
 template <int64_t F>
 inline int32_t quant_at(const uint8_t* block, int64_t r, int64_t i) {
-  const int64_t k = kBytePerQuant<F> ? i : i % 16, nibble = kBytePerQuant<F> ? 0 : i / 16;
-  return signed_quant<F>(block[(k / kWordBytes) * kWordRowBytes + r * kWordBytes + k % kWordBytes] >> (4 * nibble));
+  const int64_t k = kBytePerQuant<F> ? i : i % 16;
+  return quant_of<F>(block, r, k / kWordBytes, static_cast<int>(k % kWordBytes), kBytePerQuant<F> ? 0 : i / 16);
 }
 
 // Plain loops over quant_at, for CPUs with neither: the same integer dots and the same float steps.
@@ -575,23 +705,25 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
                 float (*sums)[kGroupRows]) {
   for (int i = 0; i < MC; ++i) std::fill(sums[i], sums[i] + kGroupRows, 0.f);
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* block = quants + b * kWords<F> * kWordRowBytes;
-    const uint16_t* s = scales + b * kScales<F> * kGroupRows;
+    const uint8_t* block = quants + b * kGroupBlockBytes<F>;
+    const uint16_t* halves = scales + b / kBlocksPerScale<F> * kHalfScales<F> * kGroupRows;
+    const uint8_t* ints = block + kWords<F> * kWordRowBytes;
     for (int i = 0; i < MC; ++i) {
       const int8_t* x = a.block_quants(m0 + i, b);
       const float dx = a.scale(m0 + i, b);
       for (int64_t r = 0; r < kGroupRows; ++r) {
-        int32_t halves[2] = {0, 0};
-        for (int64_t e = 0; e < kBlock; ++e) halves[e / 16] += quant_at<F>(block, r, e) * x[e];
-        const float low = static_cast<float>(halves[0]), high = static_cast<float>(halves[1]);
+        int32_t dots[2] = {0, 0};  // quants 0..15 and 16..31
+        for (int64_t e = 0; e < kBlock; ++e) dots[e / 16] += quant_at<F>(block, r, e) * x[e];
+        const float low = static_cast<float>(dots[0]), high = static_cast<float>(dots[1]);
         const float dot =
-            F == kQ6_K ? low * half_to_float(s[kGroupRows + r]) + high * half_to_float(s[2 * kGroupRows + r])
+            F == kQ6_K ? low * slot_value<F>(halves, ints, 1, r) + high * slot_value<F>(halves, ints, 2, r)
                        : low + high;
-        const float d = half_to_float(s[r]), scale = kScaledMin<F> ? d * half_to_float(s[kGroupRows + r]) : d;
+        const float d = slot_value<F>(halves, ints, 0, r);
+        const float scale = kScaledMin<F> ? d * slot_value<F>(halves, ints, 1, r) : d;
         sums[i][r] += dot * (scale * dx);
         if constexpr (kHasMin<F>) {
-          const float min = F == kQ4_1 ? half_to_float(s[kGroupRows + r])
-                                       : -(half_to_float(s[2 * kGroupRows + r]) * half_to_float(s[3 * kGroupRows + r]));
+          const float min = F == kQ4_1 ? slot_value<F>(halves, ints, 1, r)
+                                       : -(slot_value<F>(halves, ints, 2, r) * slot_value<F>(halves, ints, 3, r));
           sums[i][r] += min * (dx * static_cast<float>(a.sum(m0 + i, b)));
         }
       }
@@ -601,52 +733,70 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
 
 #endif
 
+// gemv_group for `count` (1 to MC) activation rows: its instance for exactly that many, whose
+// accumulators stay in registers.
+template <int64_t F, int MC = kRowsPerPass>
+void gemv_rows(int64_t count, const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a,
+               int64_t m0, float (*sums)[kGroupRows]) {
+  if constexpr (MC > 1) {
+    if (count < MC) return gemv_rows<F, MC - 1>(count, quants, scales, a, m0, sums);
+  }
+  gemv_group<F, MC>(quants, scales, a, m0, sums);
+}
+
 // All activation rows against one group, kRowsPerPass rows per pass over the group's weights (which
-// stay in L1/L2 after the first pass: memory is read once a call).
-template <int64_t F>
-void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a,
-                   int64_t rows, int64_t first_out, int64_t valid_out, int64_t out_features, float* out) {
+// stay in L1/L2 after the first pass: memory is read once a call); each output the float32 sum plus
+// the bias (float32, or null), rounded once to T.
+template <int64_t F, typename T>
+void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t rows,
+                   int64_t first_out, int64_t valid_out, const float* bias, int64_t out_features, T* out) {
   float sums[kRowsPerPass][kGroupRows];
   for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
-    const int64_t count = std::min(kRowsPerPass, rows - m0);
-    switch (count) {
-      case 1: gemv_group<F, 1>(quants, scales, a, m0, sums); break;
-      case 2: gemv_group<F, 2>(quants, scales, a, m0, sums); break;
-      case 3: gemv_group<F, 3>(quants, scales, a, m0, sums); break;
-      default: gemv_group<F, 4>(quants, scales, a, m0, sums); break;
+    const int64_t count = std::min<int64_t>(kRowsPerPass, rows - m0);
+    gemv_rows<F>(count, quants, scales, a, m0, sums);
+    for (int64_t i = 0; i < count; ++i) {
+      T* row = out + (m0 + i) * out_features + first_out;
+      for (int64_t r = 0; r < valid_out; ++r)
+        row[r] = static_cast<T>(bias ? sums[i][r] + bias[first_out + r] : sums[i][r]);
     }
-    for (int64_t i = 0; i < count; ++i)
-      std::memcpy(out + (m0 + i) * out_features + first_out, sums[i], valid_out * sizeof(float));
   }
 }
 
-static_assert(kRowsPerPass == 4, "gemv_all_rows dispatches passes of 1 to 4 rows");
-
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, int64_t format,
-                      int64_t out_features) {
+                      int64_t out_features, const std::optional<at::Tensor>& bias) {
   check_packed(quants, scales, format, "quant_gemv");
   TORCH_CHECK(quants.size(0) == (out_features + kGroupRows - 1) / kGroupRows, "quant_gemv: ", quants.size(0),
               " groups of ", kGroupRows, " rows do not hold ", out_features, " rows");
   const int64_t in_features = quants.size(1) * kBlock;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "quant_gemv: x must be [rows, ", in_features, "], got ",
               x.sizes());
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
-  const int64_t rows = x32.size(0), groups = quants.size(0), blocks = quants.size(1);
-  at::Tensor out = at::empty({rows, out_features}, x32.options());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_gemv: x must be float32 or bf16, got ", dtype);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == out_features), "quant_gemv: bias must be [",
+              out_features, "]");
+  const at::Tensor x_rows = x.contiguous(), bias32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const int64_t rows = x.size(0), groups = quants.size(0), blocks = quants.size(1);
+  at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
-  const QuantizedActivations a = quantize_activations(x32.const_data_ptr<float>(), rows, in_features);
   const uint8_t* q = quants.const_data_ptr<uint8_t>();
   const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
-  float* o = out.mutable_data_ptr<float>();
-  const int64_t group_bytes = blocks * quants.size(2), group_scales = blocks * scales.size(2) * kGroupRows;
-  dispatch_format(format, [&](auto format_tag) {
+  const float* b = bias ? bias32.const_data_ptr<float>() : nullptr;
+  const int64_t group_bytes = blocks * quants.size(2), group_scales = scales.size(1) * scales.size(2) * kGroupRows;
+  auto run = [&](auto format_tag, const auto* xs, auto* o) {
     constexpr int64_t F = decltype(format_tag)::value;
+    const QuantizedActivations a = quantize_activations(xs, rows, in_features);
     // Grain 1: parallel_for splits the groups into one equal range per thread.
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g)
         gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, a, rows, g * kGroupRows,
-                         std::min(kGroupRows, out_features - g * kGroupRows), out_features, o);
+                         std::min(kGroupRows, out_features - g * kGroupRows), b, out_features, o);
     });
+  };
+  dispatch_format(format, [&](auto format_tag) {
+    if (dtype == at::kFloat)
+      run(format_tag, x_rows.const_data_ptr<float>(), out.mutable_data_ptr<float>());
+    else
+      run(format_tag, x_rows.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>());
   });
   return out;
 }
@@ -655,7 +805,9 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::T
 
 TORCH_LIBRARY_FRAGMENT(raypage, m) {
   m.def("quant_pack(Tensor raw, int ggml_type, int out_features, int in_features) -> (Tensor, Tensor)");
-  m.def("quant_gemv(Tensor x, Tensor quants, Tensor scales, int ggml_type, int out_features) -> Tensor");
+  m.def(
+      "quant_gemv(Tensor x, Tensor quants, Tensor scales, int ggml_type, int out_features, Tensor? bias=None)"
+      " -> Tensor");
   m.def(
       "quant_dequantize(Tensor quants, Tensor scales, int ggml_type, int first_row, Tensor(a!) out) -> ()");
 }

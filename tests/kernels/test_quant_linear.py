@@ -29,6 +29,7 @@ from gguf import quants as gguf_quants
 from kernels.build import cpu_kernels_available
 from kernels.quant_linear import (
     GEMV_MAX_ROWS,
+    QuantizedWeight,
     dequantize,
     pack_gguf_weight,
     quantized_linear,
@@ -40,12 +41,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 FORMATS = [T.Q8_0, T.Q4_1, T.Q4_0, T.Q6_K, T.Q4_K, T.Q5_K]
-# (out, in): an output size that is no multiple of the 16-row groups, then SmolLM2-135M's MLP
-# projections and a slice of its LM head (576 -> 49152); every input size whole blocks of 256 (Q6_K).
-SHAPES = [(67, 256), (1536, 768), (576, 1536), (2064, 512)]
-ROWS = [1, 3, 16, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1]
 # Bytes of a K-quant block of 256 and where its float16 scales are.
 K_QUANT_BYTES = {T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,))}
+# (out, in): an output size that is no multiple of the 16-row groups, then SmolLM2-135M's gate (or
+# up) and down projections and a slice of its LM head (576 -> 49152). K-quants take rows of whole
+# blocks of 256, which 576 is not: for them the same with 512 and 768.
+SHAPES = [(67, 128), (1536, 576), (576, 1536), (2064, 576)]
+K_SHAPES = [(67, 256), (1536, 512), (576, 1536), (2064, 768)]
+ROWS = [1, 3, 16, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1]
+
+
+def format_shapes(first: int | None = None) -> list:
+    """Every format with its shapes (the first `first` of them)."""
+    return [
+        pytest.param(ggml_type, shape, id=f"{ggml_type.name}-{shape[1]}to{shape[0]}")
+        for ggml_type in FORMATS
+        for shape in (K_SHAPES if ggml_type in K_QUANT_BYTES else SHAPES)[:first]
+    ]
+
+
 FLOAT32_SLACK = 1e-5  # of sum |W| |x| per output
 
 
@@ -72,7 +86,7 @@ def random_k_blocks(rng: np.random.Generator, ggml_type: T, shape: tuple[int, in
     return blocks.reshape(shape[0], -1)
 
 
-def packed(ggml_type: T, shape: tuple[int, int]):
+def packed(ggml_type: T, shape: tuple[int, int]) -> QuantizedWeight:
     raw, _ = gguf_weight(ggml_type, shape)
     return pack_gguf_weight(torch.from_numpy(raw), int(ggml_type), shape)
 
@@ -94,15 +108,13 @@ def int8_blocks(rows: int, in_features: int, generator: torch.Generator) -> torc
     return (k * 2.0**-5).reshape(rows, in_features).float()
 
 
-@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[1]}to{s[0]}")
+@pytest.mark.parametrize(("ggml_type", "shape"), format_shapes())
 def test_dequantize_matches_gguf(ggml_type: T, shape: tuple[int, int]) -> None:
     _, reference = gguf_weight(ggml_type, shape)
     torch.testing.assert_close(dequantize(packed(ggml_type, shape)).double(), reference, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[1]}to{s[0]}")
+@pytest.mark.parametrize(("ggml_type", "shape"), format_shapes())
 @pytest.mark.parametrize("rows", ROWS)
 def test_random_activations_within_their_quantization_bound(
     ggml_type: T, shape: tuple[int, int], rows: int
@@ -116,8 +128,7 @@ def test_random_activations_within_their_quantization_bound(
     assert (error <= allowed).all(), f"{(error - allowed).max().item()} over the bound"
 
 
-@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: f"{s[1]}to{s[0]}")
+@pytest.mark.parametrize(("ggml_type", "shape"), format_shapes(first=2))
 @pytest.mark.parametrize("rows", ROWS)
 def test_int8_activations_exact_up_to_float32_order(ggml_type: T, shape: tuple[int, int], rows: int) -> None:
     _, weight = gguf_weight(ggml_type, shape)
@@ -126,7 +137,7 @@ def test_int8_activations_exact_up_to_float32_order(ggml_type: T, shape: tuple[i
     assert (error <= float32_bound(x, weight)).all()
 
 
-@pytest.mark.parametrize("rows", [2, 64])
+@pytest.mark.parametrize("rows", [2, GEMV_MAX_ROWS + 2])  # both paths, even
 def test_leading_dims_and_bias(rows: int) -> None:
     shape = (67, 256)
     weight = packed(T.Q4_1, shape)
@@ -155,6 +166,33 @@ def test_bf16_activations(ggml_type: T, rows: int) -> None:
     else:
         allowed += 2**-9 * (x.double().abs() @ weight.abs().T)
     assert ((out.double() - reference).abs() <= allowed).all()
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "bytes_per_weight"),
+    [
+        (T.Q4_0, 18 / 32),
+        (T.Q4_1, 20 / 32),
+        (T.Q8_0, 34 / 32),
+        (T.Q4_K, (144 + 4) / 256),
+        (T.Q5_K, (176 + 4) / 256),
+        (T.Q6_K, 210 / 256),
+    ],
+    ids=lambda value: value.name if isinstance(value, T) else None,
+)
+def test_packed_bytes(ggml_type: T, bytes_per_weight: float) -> None:
+    """The file's bytes, but for Q4_K's and Q5_K's 6-bit sc and m, a byte each (4 more a block of 256)."""
+    weight = packed(ggml_type, (576, 1536))
+    assert weight.nbytes == 576 * 1536 * bytes_per_weight
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_and_inf_activations_give_nan(value: float) -> None:
+    weight = packed(T.Q4_1, (67, 256))
+    x = torch.ones(2, 256)
+    x[0, 40] = value
+    out = quantized_linear(x, weight)
+    assert out[0].isnan().all() and out[1].isfinite().all()
 
 
 def test_supported_types() -> None:
