@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from gguf.quants import dequantize
 
-from kernels.quant_linear import QuantizedWeight, pack_gguf_weight, quantized_linear
+from kernels.quant_linear import QuantizedWeight, embedding_rows, pack_gguf_weight, quantized_linear
 
 # Block formats that gguf dequantizes without lookup grids (the i-quants set theirs up in `dequantize`).
 _WHOLE_TENSOR_TYPES = frozenset(
@@ -105,6 +105,11 @@ class BlockLinearWeight:
     @property
     def nbytes(self) -> int:
         return sum(pack.nbytes for pack in self.packs)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of an embedding table packed from one tensor, in `dtype`."""
+        (pack,) = self.packs
+        return embedding_rows(pack, ids, dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if len(self.packs) == 1:

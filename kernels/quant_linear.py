@@ -126,6 +126,16 @@ def dequantize(
     return out.T
 
 
+def embedding_rows(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (any shape, int64) of the weight in float32 or bf16 as `dequantize` gives them:
+    an embedding's lookups, shape [*ids.shape, in_features]."""
+    _require_kernels()
+    flat = ids.reshape(-1).contiguous()
+    out = torch.empty(flat.shape[0], weight.shape[1], dtype=dtype)
+    torch.ops.raypage.quant_embedding(weight.quants, weight.scales, weight.ggml_type, flat, out)
+    return out.reshape(*ids.shape, weight.shape[1])
+
+
 def quantized_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -256,27 +256,28 @@ class VocabParallelEmbedding(_TensorParallelModule):
         self.vocab_end = min(self.vocab_start + self.per_partition, num_embeddings)
         self.weight = _parameter((self.per_partition, embedding_dim), self.weight_loader, dtype)
 
-    # Whether the layer looks rows up (an embedding; an untied LM head only multiplies by them).
-    needs_table = True
-
     def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
         if loaded.shape[0] != self.num_embeddings:
             raise ValueError(
                 f"vocabulary: checkpoint has {loaded.shape[0]} rows, config says {self.num_embeddings}"
             )
         if isinstance(loaded, GGUFBlocks):
-            # Kept on the parameter for an LM head to multiply by, a tied one too (on one rank: a
-            # split vocabulary pads its last shard).
-            param.gguf_blocks = loaded if self.tp_size == 1 else None  # type: ignore[attr-defined]
-            if param.gguf_blocks is not None and not self.needs_table:  # type: ignore[attr-defined]
+            if self.tp_size == 1:
+                # Packed once for the quantized kernels, on the parameter: the embedding looks its
+                # rows up there and an LM head, tied or not, multiplies by it. The dense table is
+                # never written, so its pages never take memory.
+                param.block_table = BlockLinearWeight([loaded])  # type: ignore[attr-defined]
                 return
-            loaded = loaded.dequantize()
+            loaded = loaded.dequantize()  # a split vocabulary pads its last shard: dense rows
         rows = self.vocab_end - self.vocab_start
         param.data.zero_()
         _copy_checked(param.data[:rows], loaded[self.vocab_start : self.vocab_end], "embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
+            table = getattr(self.weight, "block_table", None)
+            if table is not None:
+                return table.lookup(input_ids, self.weight.dtype)
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
@@ -288,7 +289,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection onto a vocabulary split like the embedding; logits gathered for sampling."""
 
     is_tied = False  # whether the weight is the embedding's own (tie_word_embeddings)
-    needs_table = False
 
     # A prepared copy of a weight tied to the embedding, whose lookups need the plain table.
     tied_logits_weight: torch.Tensor | BlockLinearWeight | None = None
@@ -301,9 +301,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Keep the weight in `form` (by default this machine's fastest for it), or a copy in that
         form when the embedding shares it; multiply by the checkpoint's GGUF blocks where they
         were kept."""
-        blocks = getattr(self.weight, "gguf_blocks", None)
-        if blocks is not None:
-            packed = BlockLinearWeight([blocks])
+        packed = getattr(self.weight, "block_table", None)
+        if packed is not None:
             if self.is_tied:
                 self.tied_logits_weight = packed
             else:
@@ -329,6 +328,3 @@ def prepare_linear_weights(model: nn.Module, form: WeightForm | None = None) -> 
     for module in model.modules():
         if isinstance(module, (_PreparableLinear, ParallelLMHead)):
             module.prepare(form)
-    for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding) and isinstance(module.weight, nn.Parameter):
-            module.weight.gguf_blocks = None  # packed where an LM head uses them; the file's pages go

@@ -9,6 +9,8 @@
 // torch.ops.raypage.quant_dequantize(quants, scales, ggml_type, first_row, out [in, rows] float32 or bf16)
 //   Rows of the weight's values, transposed, as gguf.quants.dequantize gives them (rounded to bf16
 //   for a bf16 out); the prefill path multiplies panels of these.
+// torch.ops.raypage.quant_embedding(quants, scales, ggml_type, ids int64 [N], out [N, in] float32 or bf16)
+//   Rows ids of the weight, as quant_dequantize gives them: an embedding's lookups.
 //
 // Formats (ggml type ids). Blocks of 32 weights: Q4_0 (2): d * (q - 8), q in 0..15; Q4_1 (3):
 // d * q + m; Q8_0 (8): d * q, q int8; d and m float16. K-quants, blocks of 256 in 8 sub-blocks of 32:
@@ -461,6 +463,49 @@ void quant_dequantize(const at::Tensor& quants, const at::Tensor& scales, int64_
   });
 }
 
+// Rows ids[n] of the weight into out [N, in_features] (float32 or bf16): an embedding's lookups,
+// from the table the tied LM head multiplies by. Each (group, block) is dequantized whole into a
+// scratch block and the id's lane kept; a lookup is a few rows a step, so the other 15 cost little.
+void quant_embedding(const at::Tensor& quants, const at::Tensor& scales, int64_t format, const at::Tensor& ids,
+                     at::Tensor out) {
+  check_packed(quants, scales, format, "quant_embedding");
+  const int64_t blocks = quants.size(1), padded_rows = quants.size(0) * kGroupRows, n = ids.numel();
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "quant_embedding: ids must be contiguous int64");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == n && out.size(1) == blocks * kBlock && out.is_contiguous() &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "quant_embedding: out must be contiguous float32 or bf16 [", n, ", ", blocks * kBlock, "], got ",
+              out.scalar_type(), " ", out.sizes());
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < padded_rows, "quant_embedding: id ", id[i], " outside the table's ",
+                padded_rows, " rows");
+  const uint8_t* q = quants.const_data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.const_data_ptr<at::Half>());
+  auto run = [&](auto format_tag, auto* o) {
+    constexpr int64_t F = decltype(format_tag)::value;
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float scratch[kBlock * kGroupRows];
+      float row[kBlock];
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t group = id[i] / kGroupRows, lane = id[i] % kGroupRows;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t file_block = group * (blocks / kBlocksPerScale<F>) + b / kBlocksPerScale<F>;
+          dequantize_group_block<F>(q + (group * blocks + b) * kGroupBlockBytes<F>,
+                                    s + file_block * kHalfScales<F> * kGroupRows, kGroupRows, scratch, kGroupRows);
+          for (int64_t k = 0; k < kBlock; ++k) row[k] = scratch[k * kGroupRows + lane];
+          store_lanes(row, kBlock, o + i * blocks * kBlock + b * kBlock);
+        }
+      }
+    });
+  };
+  dispatch_format(format, [&](auto format_tag) {
+    if (out.scalar_type() == at::kFloat)
+      run(format_tag, out.mutable_data_ptr<float>());
+    else
+      run(format_tag, out.mutable_data_ptr<c10::BFloat16>());
+  });
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Activations quantized per block of 32: int8 quants, a float32 scale and the sums of the quants
 
@@ -810,10 +855,12 @@ TORCH_LIBRARY_FRAGMENT(raypage, m) {
       " -> Tensor");
   m.def(
       "quant_dequantize(Tensor quants, Tensor scales, int ggml_type, int first_row, Tensor(a!) out) -> ()");
+  m.def("quant_embedding(Tensor quants, Tensor scales, int ggml_type, Tensor ids, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(raypage, CPU, m) {
   m.impl("quant_pack", &quant_pack);
   m.impl("quant_gemv", &quant_gemv);
   m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_embedding", &quant_embedding);
 }

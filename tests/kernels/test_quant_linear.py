@@ -31,6 +31,7 @@ from kernels.quant_linear import (
     GEMV_MAX_ROWS,
     QuantizedWeight,
     dequantize,
+    embedding_rows,
     pack_gguf_weight,
     quantized_linear,
     supported_ggml_types,
@@ -112,6 +113,24 @@ def int8_blocks(rows: int, in_features: int, generator: torch.Generator) -> torc
 def test_dequantize_matches_gguf(ggml_type: T, shape: tuple[int, int]) -> None:
     _, reference = gguf_weight(ggml_type, shape)
     torch.testing.assert_close(dequantize(packed(ggml_type, shape)).double(), reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("ggml_type", "shape"), format_shapes(first=2))
+def test_embedding_rows_match_gguf(ggml_type: T, shape: tuple[int, int]) -> None:
+    # Ids in any order and shape, repeated, the last row of a padded group among them.
+    _, reference = gguf_weight(ggml_type, shape)
+    ids = torch.tensor([[shape[0] - 1, 0, 17], [5, 5, shape[0] // 2]])
+    torch.testing.assert_close(
+        embedding_rows(packed(ggml_type, shape), ids, torch.float32).double(), reference[ids], rtol=0, atol=0
+    )
+    bf16 = embedding_rows(packed(ggml_type, shape), ids, torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16, reference[ids].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_embedding_id_outside_the_table() -> None:
+    with pytest.raises(RuntimeError, match="id 80 outside the table's 80 rows"):
+        embedding_rows(packed(T.Q8_0, (67, 256)), torch.tensor([3, 80]), torch.float32)
 
 
 @pytest.mark.parametrize(("ggml_type", "shape"), format_shapes())
