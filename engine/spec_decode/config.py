@@ -41,7 +41,8 @@ class SpeculativeConfig(BaseModel):
         None,
         ge=1,
         description="No speculation in a step whose batch has more sequences than this (where the "
-        "forward pass is no longer bound by reading the weights); None: always speculate",
+        "forward pass is no longer bound by reading the weights); None: always speculate, but for a "
+        "target running from GGUF blocks, which speculates up to 4 sequences",
     )
 
     @model_validator(mode="before")

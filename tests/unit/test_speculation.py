@@ -9,11 +9,13 @@ import pytest
 from pydantic import ValidationError
 
 from engine.config import EngineConfig
+from engine.config_resolve import GGUF_SPECULATION_MAX_BATCH, resolve_engine_config
 from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.spec_backoff import SpecBackoff
 from engine.sched.speculation import Speculator
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram_proposer import NgramProposer
+from kernels.build import cpu_kernels_available
 from tests.unit.kv_cache_helpers import BS, admit, make_seq
 
 
@@ -72,6 +74,24 @@ def test_proposals_stop_at_the_room_left():
 def test_bad_speculative_configs_are_errors_at_start(settings, message):
     with pytest.raises(ValidationError, match=message):
         EngineConfig.from_flat(speculative_config=settings)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="GGUF blocks run on the compiled CPU kernels")
+@pytest.mark.parametrize(
+    ("settings", "limit"),
+    [
+        ({"dtype": "bfloat16"}, GGUF_SPECULATION_MAX_BATCH),  # the packaged GGUF kept in its blocks
+        ({"dtype": "bfloat16", "quantization": "none"}, None),  # dequantized: dense matmuls
+        ({"dtype": "float32"}, None),
+        ({"dtype": "bfloat16", "disable_by_batch_size": 12}, 12),  # the user's own limit stands
+    ],
+)
+def test_gguf_blocks_speculate_only_at_small_batches_by_default(settings, limit):
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    if "disable_by_batch_size" in settings:
+        spec["disable_by_batch_size"] = settings.pop("disable_by_batch_size")
+    config = resolve_engine_config(EngineConfig.from_flat(speculative_config=spec, **settings))
+    assert config.speculative.speculative_config.disable_by_batch_size == limit
 
 
 def test_rejected_drafts_give_back_their_blocks():
