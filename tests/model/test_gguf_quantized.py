@@ -43,6 +43,18 @@ def top_tokens(llm: LLM, token_ids: list[list[int]]) -> list[list[int]]:
     return tops
 
 
+# Log-probability gap within which two tokens are a near tie: the logits are bf16, whose steps at
+# this model's logit sizes are 1/16, and the two layouts' roundings differ by a few of them.
+NEAR_TIE = 0.5
+
+
+def position_logprobs(llm: LLM, token_ids: list[list[int]]) -> list[list[dict]]:
+    """The engine's 5 most likely next tokens (token id -> Logprob) after every prefix of each sequence."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=5, temperature=0.0)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params, use_tqdm=False)
+    return [output.prompt_logprobs[1:] for output in outputs]
+
+
 def test_the_packaged_q4_1_model_picks_the_dequantized_models_tokens():
     dense = LLM(dtype="bfloat16", quantization="none", num_kv_blocks=64)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -114,7 +126,8 @@ def projections_as(q_type, down_type=None):
 def test_tensor_parallel_splits_the_blocks(tiny_llama, tmp_path):
     # Row-parallel layers split each row's blocks in halves of whole blocks, column-parallel ones
     # their rows. bf16 rounds the two layouts' sums differently, which a random model's near ties
-    # can turn into another token: compared position by position on the same sequences.
+    # can turn into another token: compared position by position on the same sequences, where the
+    # choices differ TP = 2's pick must be a near tie of TP = 1's (a misplaced block would not be).
     folder, config = tiny_llama
     path = write_gguf(folder, config, tmp_path / "model.gguf", projections_as(Q.Q8_0, Q.Q4_1))
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -125,13 +138,19 @@ def test_tensor_parallel_splits_the_blocks(tiny_llama, tmp_path):
             if tp == 1:
                 outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
                 sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
-            tops[tp] = top_tokens(llm, sequences)
+            tops[tp] = position_logprobs(llm, sequences)
         finally:
             llm.llm_engine.shutdown()
     pairs = [
         (a, b) for want, have in zip(tops[1], tops[2], strict=True) for a, b in zip(want, have, strict=True)
     ]
-    assert sum(a == b for a, b in pairs) / len(pairs) >= 0.95
+    agreeing = 0
+    for one, two in pairs:
+        best_one, best_two = (min(p, key=lambda t: p[t].rank) for p in (one, two))
+        agreeing += best_one == best_two
+        if best_one != best_two:
+            assert best_two in one and one[best_one].logprob - one[best_two].logprob <= NEAR_TIE, (one, two)
+    assert agreeing / len(pairs) >= 0.9
 
 
 def test_a_format_without_a_kernel_is_dequantized_with_a_warning_or_refused(tiny_llama, tmp_path, caplog):
