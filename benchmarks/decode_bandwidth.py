@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 
 import torch
@@ -23,6 +22,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from kernels.gguf_blocks import BlockLinearWeight
+from kernels.huge_pages import wait_for_prefaults
 from parallel.layers import ParallelLMHead, VocabParallelEmbedding
 
 PATHS = {"GGUF blocks": None, "dense bf16": "none"}
@@ -70,10 +70,7 @@ def decode_rate(llm: LLM) -> float:
         llm.generate([PROMPT], params, use_tqdm=False)
         return time.perf_counter() - start
 
-    # Steady state: the KV cache's pages fault in on a background thread after start-up.
-    for thread in threading.enumerate():
-        if thread.name == "kv-prefault":
-            thread.join()
+    wait_for_prefaults()  # the KV cache's pages, faulted in on a thread after start-up
     seconds(32)
     return (288 - 32) / (seconds(288) - seconds(32))
 

@@ -1,13 +1,13 @@
 """Speculative decoding against none, side by side: offline tokens per second and served TPOT.
 
     python -m benchmarks.spec_decode offline [--rounds 3] [--spec JSON] [--dtype bfloat16] [--quantization none]
-    python -m benchmarks.spec_decode serve [--rounds 2] [--rate 1] [--spec JSON]
+    python -m benchmarks.spec_decode serve [--rounds 2] [--rate 1] [--spec JSON] [--quantization none]
 
-`offline` runs two workloads through `LLM` on the packaged SmolLM2, each round building a fresh
+`offline` runs three workloads through `LLM` on the packaged SmolLM2, each round building a fresh
 engine per mode (the order alternating between rounds, so drift in the machine's speed does not
 favor one mode): batch 1, the input-grounded chat requests of `benchmarks.grounded_prompts` one at
-a time; batch 32 of random 128-token prompts; and batch 32 of the grounded requests (each 4 times). Every request decodes `--output-len` tokens
-greedily with ignore_eos, so both modes produce the same tokens (speculation is exact for greedy)
+a time; batch 32 of random 128-token prompts; and batch 32 of the grounded requests (each 4
+times). Every request decodes `--output-len` tokens greedily with ignore_eos, so both modes produce the same tokens (speculation is exact for greedy)
 and their tokens per second compare directly. `serve` starts a fresh `raypage serve` per mode and
 round and streams the grounded requests to it at `--rate` requests per second (Poisson arrivals),
 reporting the median time per output token. Each prints one line per round and mode, and a RATIO
@@ -24,7 +24,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +37,7 @@ from engine import LLM, SamplingParams
 from engine.frontend.tokenizer import render_chat_prompt
 from engine.models.model_files import packaged_model_path
 from engine.models.tokenizer_files import load_gguf_tokenizer
+from kernels.huge_pages import wait_for_prefaults
 
 DEFAULT_SPEC = (
     '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
@@ -58,11 +58,7 @@ def grounded_prompt_ids() -> list[list[int]]:
 def tokens_per_second(llm: LLM, batches: list[list[list[int]]], output_len: int) -> float:
     """Generate each batch in turn (all of a batch's prompts together); output tokens per second."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    # Steady state only: the KV cache's pages are faulted in on a background thread after start-up,
-    # which competes for the cores and the memory map (prefill's large buffers wait on it).
-    for thread in threading.enumerate():
-        if thread.name == "kv-prefault":
-            thread.join()
+    wait_for_prefaults()  # the KV cache's pages, faulted in on a thread after start-up
     warm_up = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(200, 264))}], warm_up, use_tqdm=False)
     produced = 0

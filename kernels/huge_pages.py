@@ -75,15 +75,26 @@ def zeros_on_huge_pages(*shape: int, dtype: torch.dtype, device: torch.device | 
     return tensor
 
 
+_PREFAULT_THREAD = "kv-prefault"
+
+
 def prefault_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread:
     """Fault in the pages of the CPU `tensors` on a daemon thread, as a first write to each would,
     leaving their contents as they are: other threads may read and write them meanwhile (a page
     they touch first is simply faulted in by them). Rather than at a request's first write into each
     page; without blocking the start-up, which would wait seconds per GiB of zeroed pages. Where the
     kernel cannot (before Linux 5.14), the pages fault in at their first writes."""
-    thread = threading.Thread(target=_prefault, args=(list(tensors),), name="kv-prefault", daemon=True)
+    thread = threading.Thread(target=_prefault, args=(list(tensors),), name=_PREFAULT_THREAD, daemon=True)
     thread.start()
     return thread
+
+
+def wait_for_prefaults() -> None:
+    """Return once every background prefault of this process is done: benchmarks time the steady
+    state, not the start-up, whose page faults compete for the cores and the memory map."""
+    for thread in threading.enumerate():
+        if thread.name == _PREFAULT_THREAD:
+            thread.join()
 
 
 def _prefault(tensors: list[torch.Tensor]) -> None:

@@ -34,13 +34,12 @@ MAX_TOKENS = 24
 def top_tokens(llm: LLM, token_ids: list[list[int]]) -> list[list[int]]:
     """The engine's most likely next token after every prefix of each sequence (from its prompt
     log-probabilities: the same prefixes for every model compared)."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params, use_tqdm=False)
-    tops = []
-    for output in outputs:
-        per_position = output.prompt_logprobs[1:]
-        tops.append([next(t for t, lp in position.items() if lp.rank == 1) for position in per_position])
-    return tops
+    return [[best_token(position) for position in sequence] for sequence in position_logprobs(llm, token_ids)]
+
+
+def best_token(position: dict) -> int:
+    """The token of rank 1 among a position's log-probabilities."""
+    return min(position, key=lambda token: position[token].rank)
 
 
 # Log-probability gap within which two tokens are a near tie: the logits are bf16, whose steps at
@@ -146,7 +145,7 @@ def test_tensor_parallel_splits_the_blocks(tiny_llama, tmp_path):
     ]
     agreeing = 0
     for one, two in pairs:
-        best_one, best_two = (min(p, key=lambda t: p[t].rank) for p in (one, two))
+        best_one, best_two = best_token(one), best_token(two)
         agreeing += best_one == best_two
         if best_one != best_two:
             assert best_two in one and one[best_one].logprob - one[best_two].logprob <= NEAR_TIE, (one, two)
