@@ -4,7 +4,8 @@
 
 Bandwidth: reading a 1 GiB tensor with torch's sum on all of torch's threads, the best of five
 passes after one to warm up (a read-only stream, as a decode step's weight traffic is). Per path
-(the GGUF file kept in its blocks, and dequantized to bf16 with `quantization="none"`): the bytes
+(a GGUF file kept in its blocks, and dequantized to bf16 with `quantization="none"`; a Hugging
+Face folder dense in bf16, and quantized to int8 blocks with `quantization="int8"`): the bytes
 one decode step reads of weights (every linear weight and norm, the LM head whole, the embedding's
 one row left out), times the steady decode rate at batch 1 (the time of 288 output tokens less
 that of 32, so prefill and start-up drop out), against the bandwidth. Fresh engine per path and
@@ -25,7 +26,8 @@ from kernels.gguf_blocks import BlockLinearWeight
 from kernels.huge_pages import wait_for_prefaults
 from parallel.layers import ParallelLMHead, VocabParallelEmbedding
 
-PATHS = {"GGUF blocks": None, "dense bf16": "none"}
+GGUF_PATHS = {"GGUF blocks": None, "dense bf16": "none"}
+CHECKPOINT_PATHS = {"dense bf16": None, "int8 blocks": "int8"}
 PROMPT = {"prompt_token_ids": list(range(200, 264))}
 
 
@@ -85,15 +87,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default=None, help="a GGUF file (default: the packaged SmolLM2)")
+    parser.add_argument(
+        "--model", default=None, help="a GGUF file or a Hugging Face folder (default: the packaged SmolLM2)"
+    )
     args = parser.parse_args()
+    paths = CHECKPOINT_PATHS if args.model and not args.model.endswith(".gguf") else GGUF_PATHS
     bandwidth = read_bandwidth()
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)", flush=True)
-    shares: dict[str, list[float]] = {path: [] for path in PATHS}
+    shares: dict[str, list[float]] = {path: [] for path in paths}
     for round_index in range(args.rounds):
-        order = list(PATHS) if round_index % 2 == 0 else list(PATHS)[::-1]
+        order = list(paths) if round_index % 2 == 0 else list(paths)[::-1]
         for path in order:
-            llm = LLM(model=args.model, dtype="bfloat16", quantization=PATHS[path])
+            llm = LLM(model=args.model, dtype="bfloat16", quantization=paths[path])
             step_bytes = weight_bytes_per_step(loaded_model(llm))
             rate = decode_rate(llm)
             llm.llm_engine.shutdown()

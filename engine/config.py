@@ -68,11 +68,13 @@ class ModelConfig(_Section):
     dtype: DType = Field(
         "auto", description="Weight and activation dtype; auto picks the checkpoint's 16-bit type"
     )
-    quantization: Literal["none", "strict"] | None = Field(
+    quantization: Literal["none", "strict", "int8"] | None = Field(
         None,
         description="GGUF projections stay in their blocks on the CPU where the kernels read the format "
         "(Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; others dequantized with a warning); none: dequantize "
-        "every tensor at load; strict: refuse a projection the kernels do not read",
+        "every tensor at load; strict: refuse a projection the kernels do not read; int8: also "
+        "quantize every float projection at load to int8 blocks of 32 with a scale each (W8A8; "
+        "bfloat16 on the CPU)",
     )
     seed: int = Field(0, description="Seed of the random sampler for requests without their own seed")
     max_model_len: int | None = Field(

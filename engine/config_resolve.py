@@ -48,7 +48,7 @@ def resolve_engine_config(config: EngineConfig) -> ResolvedEngineConfig:
         }
     )
     speculative = resolve_speculative_config(
-        config.speculative.speculative_config, arch, max_model_len, runs_gguf_blocks(model)
+        config.speculative.speculative_config, arch, max_model_len, runs_quantized_blocks(model)
     )
     return ResolvedEngineConfig(
         model=model,
@@ -59,32 +59,37 @@ def resolve_engine_config(config: EngineConfig) -> ResolvedEngineConfig:
     )
 
 
-# `disable_by_batch_size` when unset and the target multiplies by GGUF blocks: their int8 dot
+# `disable_by_batch_size` when unset and the target multiplies by quantized blocks: their int8 dot
 # products cost in proportion to the rows a step verifies, unlike a dense matmul that reads the
 # weights once for a few dozen rows, so drafts stop paying above a few sequences (the break-even
 # measured with `python -m benchmarks.spec_decode`, README "Speculative decoding").
-GGUF_SPECULATION_MAX_BATCH = 4
+QUANTIZED_SPECULATION_MAX_BATCH = 4
 
 
-def runs_gguf_blocks(model: ResolvedModelConfig) -> bool:
-    """Whether the model's linear layers will multiply by its GGUF file's blocks."""
-    if model.model_format != "gguf":
+def runs_quantized_blocks(model: ResolvedModelConfig) -> bool:
+    """Whether the model's linear layers will multiply by quantized blocks (a GGUF file's, or int8);
+    an int8 model where the kernels cannot run is an error here."""
+    if model.model_format != "gguf" and model.quantization != "int8":
         return False
     dtype, device = getattr(torch, model.dtype), torch.device(model.device)
     return weight_quantization(model.quantization, device, dtype) != "none"
 
 
 def resolve_speculative_config(
-    speculative: SpeculativeConfig | None, target: ArchConfig, max_model_len: int, gguf_blocks: bool = False
+    speculative: SpeculativeConfig | None,
+    target: ArchConfig,
+    max_model_len: int,
+    quantized_blocks: bool = False,
 ) -> ResolvedSpeculativeConfig | None:
     """A draft model's files read and checked against the target's: the same vocabulary (the
     drafts are the target's token ids) and room for max_model_len positions; a target running from
-    GGUF blocks (`gguf_blocks`) speculates by default only up to GGUF_SPECULATION_MAX_BATCH sequences."""
+    quantized blocks (`quantized_blocks`) speculates by default only up to
+    QUANTIZED_SPECULATION_MAX_BATCH sequences."""
     if speculative is None:
         return None
     settings = speculative.model_dump()
-    if gguf_blocks and settings["disable_by_batch_size"] is None:
-        settings["disable_by_batch_size"] = GGUF_SPECULATION_MAX_BATCH
+    if quantized_blocks and settings["disable_by_batch_size"] is None:
+        settings["disable_by_batch_size"] = QUANTIZED_SPECULATION_MAX_BATCH
     if speculative.method != "draft_model":
         return ResolvedSpeculativeConfig(**settings)
     source = resolve_model_source(speculative.model)

@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType
 
 from engine.models.arch_config import ArchConfig, layer_types_of
 from engine.models.gguf_file import GGUFFile, GGUFTensorInfo
+from engine.models.quantized_weights import KEPT_IN_BLOCKS
 from kernels.gguf_blocks import GGUFBlocks
 from kernels.quant_linear import supported_ggml_types
 
@@ -57,9 +58,6 @@ _GEMMA_NORMS = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# The attention and MLP projections, the LM head and the embedding (an LM head tied to it
-# multiplies by its blocks): kept in their blocks where the kernels read the format.
-_KEPT_IN_BLOCKS = re.compile(r"(_proj|^lm_head|^model\.embed_tokens)\.weight$")
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -209,7 +207,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def iterate_gguf_weights(path: Path, quantization: str | None = "none") -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, tensor) for every tensor in the file, one at a time: the attention and MLP
     projections as `GGUFBlocks` where the quantized kernels read their format (`quantization`
-    None or "strict"), every other tensor dequantized to float32."""
+    None, "strict" or "int8"), every other tensor dequantized to float32."""
     gguf = GGUFFile(path)
     arch = _architecture(gguf)
     num_heads = gguf.get(f"{arch}.attention.head_count")
@@ -231,7 +229,7 @@ def _read_tensor(gguf: GGUFFile, tensor: GGUFTensorInfo, name: str, quantization
     """A projection's blocks as the file holds them where the kernels multiply by them, else its
     values; a projection in a block format without a kernel is dequantized with a warning, or
     refused with quantization "strict"."""
-    if quantization != "none" and _KEPT_IN_BLOCKS.search(name) and len(tensor.shape) == 2:
+    if quantization != "none" and KEPT_IN_BLOCKS.search(name) and len(tensor.shape) == 2:
         if tensor.qtype in supported_ggml_types():
             return GGUFBlocks(_file_view(gguf.raw_blocks(tensor)), int(tensor.qtype), tensor.shape)
         if tensor.qtype not in _FLOAT_TYPES:

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.models.arch_config import ArchConfig
 from engine.models.model_files import ModelSource
+from engine.models.quantized_weights import quantize_to_int8
 from engine.models.registry import get_model_class
 from kernels.build import cpu_kernels_available
 from parallel.layers import prepare_linear_weights
@@ -39,24 +40,28 @@ def iterate_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tenso
 
 def iterate_weights(source: ModelSource, quantization: str | None = "none") -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors by Hugging Face name; a GGUF file's projections in their blocks
-    unless `quantization` is "none" (engine/models/gguf_loader.py)."""
+    unless `quantization` is "none" (engine/models/gguf_loader.py), and with "int8" every float
+    projection quantized into int8 blocks (engine/models/quantized_weights.py)."""
     if source.format == "gguf":
         from engine.models.gguf_loader import iterate_gguf_weights
 
-        return iterate_gguf_weights(source.path, quantization)
-    return iterate_safetensors_weights(source.path)
+        weights = iterate_gguf_weights(source.path, quantization)
+    else:
+        weights = iterate_safetensors_weights(source.path)
+    return quantize_to_int8(weights) if quantization == "int8" else weights
 
 
 def weight_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> str | None:
     """`quantization` where the quantized kernels run (bf16 activations on the CPU, compiled
     kernels), else "none": GGUF blocks are then dequantized at load. float32 runs (the parity
-    settings) compute with the file's exact values; "strict" anywhere else is an error."""
+    settings) compute with the file's exact values; "int8", and "strict" anywhere but float32, is an
+    error elsewhere."""
     if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels_available():
         return quantization
-    if quantization == "strict" and dtype != torch.float32:
+    if quantization == "int8" or (quantization == "strict" and dtype != torch.float32):
         raise ValueError(
-            "quantization strict: the quantized kernels take bfloat16 activations on the CPU with "
-            f"raypage's compiled kernels, not {dtype} on {device.type}"
+            f"quantization {quantization}: the quantized kernels take bfloat16 activations on the CPU "
+            f"with raypage's compiled kernels, not {dtype} on {device.type}"
         )
     return "none"
 

@@ -21,6 +21,12 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.models.model_files import packaged_model_path
 from kernels.build import cpu_kernels_available
+from tests.model.next_token_checks import (
+    agreement_up_to_near_ties,
+    greedy_sequences,
+    position_logprobs,
+    top_tokens,
+)
 from tests.model.test_hf_parity import PROMPTS
 from tests.model.tiny_gguf import write_gguf
 from tests.model.tiny_models import write_tiny_model
@@ -31,36 +37,9 @@ Q = gguf.GGMLQuantizationType
 MAX_TOKENS = 24
 
 
-def top_tokens(llm: LLM, token_ids: list[list[int]]) -> list[list[int]]:
-    """The engine's most likely next token after every prefix of each sequence (from its prompt
-    log-probabilities: the same prefixes for every model compared)."""
-    return [[best_token(position) for position in sequence] for sequence in position_logprobs(llm, token_ids)]
-
-
-def best_token(position: dict) -> int:
-    """The token of rank 1 among a position's log-probabilities."""
-    return min(position, key=lambda token: position[token].rank)
-
-
-# Log-probability gap within which two tokens are a near tie: the logits are bf16, whose steps at
-# this model's logit sizes are 1/16, and the two layouts' roundings differ by a few of them.
-NEAR_TIE = 0.5
-
-
-def position_logprobs(llm: LLM, token_ids: list[list[int]]) -> list[list[dict]]:
-    """The engine's 5 most likely next tokens (token id -> Logprob) after every prefix of each sequence."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=5, temperature=0.0)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params, use_tqdm=False)
-    return [output.prompt_logprobs[1:] for output in outputs]
-
-
 def test_the_packaged_q4_1_model_picks_the_dequantized_models_tokens():
     dense = LLM(dtype="bfloat16", quantization="none", num_kv_blocks=64)
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    sequences = [
-        list(output.prompt_token_ids) + list(output.outputs[0].token_ids)
-        for output in dense.generate(PROMPTS, greedy, use_tqdm=False)
-    ]
+    sequences = greedy_sequences(dense, PROMPTS, MAX_TOKENS)
     expected = top_tokens(dense, sequences)
     dense.llm_engine.shutdown()
     quantized = LLM(dtype="bfloat16", num_kv_blocks=64)
@@ -129,27 +108,16 @@ def test_tensor_parallel_splits_the_blocks(tiny_llama, tmp_path):
     # choices differ TP = 2's pick must be a near tie of TP = 1's (a misplaced block would not be).
     folder, config = tiny_llama
     path = write_gguf(folder, config, tmp_path / "model.gguf", projections_as(Q.Q8_0, Q.Q4_1))
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     tops = {}
     for tp in (1, 2):
         llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, tensor_parallel_size=tp)
         try:
             if tp == 1:
-                outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-                sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
+                sequences = greedy_sequences(llm, PROMPTS, MAX_TOKENS)
             tops[tp] = position_logprobs(llm, sequences)
         finally:
             llm.llm_engine.shutdown()
-    pairs = [
-        (a, b) for want, have in zip(tops[1], tops[2], strict=True) for a, b in zip(want, have, strict=True)
-    ]
-    agreeing = 0
-    for one, two in pairs:
-        best_one, best_two = best_token(one), best_token(two)
-        agreeing += best_one == best_two
-        if best_one != best_two:
-            assert best_two in one and one[best_one].logprob - one[best_two].logprob <= NEAR_TIE, (one, two)
-    assert agreeing / len(pairs) >= 0.9
+    assert agreement_up_to_near_ties(tops[1], tops[2]) >= 0.9
 
 
 def test_a_format_without_a_kernel_is_dequantized_with_a_warning_or_refused(tiny_llama, tmp_path, caplog):

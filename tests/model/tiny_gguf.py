@@ -75,7 +75,8 @@ def _add_expert_settings(writer: gguf.GGUFWriter, config: dict) -> None:
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
+def copy_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """The packaged SmolLM2's tokenizer (every `tokenizer.*` key) into `writer`."""
     reader = gguf.GGUFReader(packaged_model_path())
     for name, field in reader.fields.items():
         if not name.startswith("tokenizer."):
@@ -119,7 +120,7 @@ def write_gguf(
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     _add_expert_settings(writer, config)
-    _copy_tokenizer(writer)
+    copy_tokenizer(writer)
     names = gguf.get_tensor_name_map(arch, num_layers)
     gemma = architecture.startswith("Gemma")
     for hf_name, tensor in _converted_tensors(folder, config).items():

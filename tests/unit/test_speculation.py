@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.config import EngineConfig
-from engine.config_resolve import GGUF_SPECULATION_MAX_BATCH, resolve_engine_config
+from engine.config_resolve import QUANTIZED_SPECULATION_MAX_BATCH, resolve_engine_config
 from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.spec_backoff import SpecBackoff
 from engine.sched.speculation import Speculator
@@ -80,7 +80,7 @@ def test_bad_speculative_configs_are_errors_at_start(settings, message):
 @pytest.mark.parametrize(
     ("settings", "limit"),
     [
-        ({"dtype": "bfloat16"}, GGUF_SPECULATION_MAX_BATCH),  # the packaged GGUF kept in its blocks
+        ({"dtype": "bfloat16"}, QUANTIZED_SPECULATION_MAX_BATCH),  # the packaged GGUF kept in its blocks
         ({"dtype": "bfloat16", "quantization": "none"}, None),  # dequantized: dense matmuls
         ({"dtype": "float32"}, None),
         ({"dtype": "bfloat16", "disable_by_batch_size": 12}, 12),  # the user's own limit stands

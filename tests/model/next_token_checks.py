@@ -1,0 +1,50 @@
+"""Comparing two models' next-token choices position by position, on the same sequences, where
+bf16 roundings or quantized activations may turn a near tie into another token."""
+
+from __future__ import annotations
+
+from engine import LLM, SamplingParams
+
+# Log-probability gap within which two tokens are a near tie: the logits are bf16, whose steps at
+# the test models' logit sizes are 1/16, and two layouts' roundings differ by a few of them.
+NEAR_TIE = 0.5
+
+
+def position_logprobs(llm: LLM, token_ids: list[list[int]]) -> list[list[dict]]:
+    """The engine's 5 most likely next tokens (token id -> Logprob) after every prefix of each sequence."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=5, temperature=0.0)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params, use_tqdm=False)
+    return [output.prompt_logprobs[1:] for output in outputs]
+
+
+def best_token(position: dict) -> int:
+    """The token of rank 1 among a position's log-probabilities."""
+    return min(position, key=lambda token: position[token].rank)
+
+
+def top_tokens(llm: LLM, token_ids: list[list[int]]) -> list[list[int]]:
+    """The engine's most likely next token after every prefix of each sequence (from its prompt
+    log-probabilities: the same prefixes for every model compared)."""
+    return [[best_token(position) for position in sequence] for sequence in position_logprobs(llm, token_ids)]
+
+
+def greedy_sequences(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Each prompt's token ids followed by the engine's greedy continuation."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    return [list(output.prompt_token_ids) + list(output.outputs[0].token_ids) for output in outputs]
+
+
+def agreement_up_to_near_ties(reference: list[list[dict]], other: list[list[dict]]) -> float:
+    """The share of positions where `other` picks `reference`'s top token; where it picks another,
+    that token must be a near tie among `reference`'s top 5 (a misplaced weight would not be)."""
+    pairs = [
+        (a, b) for want, have in zip(reference, other, strict=True) for a, b in zip(want, have, strict=True)
+    ]
+    agreeing = 0
+    for one, two in pairs:
+        best_one, best_two = best_token(one), best_token(two)
+        agreeing += best_one == best_two
+        if best_one != best_two:
+            assert best_two in one and one[best_one].logprob - one[best_two].logprob <= NEAR_TIE, (one, two)
+    return agreeing / len(pairs)
