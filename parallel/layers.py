@@ -261,28 +261,30 @@ class VocabParallelEmbedding(_TensorParallelModule):
             raise ValueError(
                 f"vocabulary: checkpoint has {loaded.shape[0]} rows, config says {self.num_embeddings}"
             )
-        if isinstance(loaded, GGUFBlocks):
-            if self.tp_size == 1:
-                # Packed once for the quantized kernels, on the parameter: the embedding looks its
-                # rows up there and an LM head, tied or not, multiplies by it. The dense table is
-                # never written, so its pages never take memory.
-                param.block_table = BlockLinearWeight([loaded])  # type: ignore[attr-defined]
-                return
-            loaded = loaded.dequantize()  # a split vocabulary pads its last shard: dense rows
         rows = self.vocab_end - self.vocab_start
+        if isinstance(loaded, GGUFBlocks):
+            # This rank's rows packed once for the quantized kernels, on the parameter: the
+            # embedding looks its rows up there and an LM head, tied or not, multiplies by it. The
+            # dense table is never written, so its pages never take memory.
+            shard = loaded.narrow(0, self.vocab_start, rows)
+            param.block_table = BlockLinearWeight([shard])  # type: ignore[attr-defined]
+            return
         param.data.zero_()
         _copy_checked(param.data[:rows], loaded[self.vocab_start : self.vocab_end], "embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            table = getattr(self.weight, "block_table", None)
-            if table is not None:
-                return table.lookup(input_ids, self.weight.dtype)
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        embedded = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        embedded = self._rows(local_ids).masked_fill(outside.unsqueeze(-1), 0)
         return tensor_parallel_all_reduce(embedded)
+
+    def _rows(self, local_ids: torch.Tensor) -> torch.Tensor:
+        table = getattr(self.weight, "block_table", None)
+        if table is not None:
+            return table.lookup(local_ids, self.weight.dtype)
+        return F.embedding(local_ids, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -319,7 +321,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.tied_logits_weight is None else self.tied_logits_weight
-        logits = tensor_parallel_all_gather(linear(hidden, weight), dim=-1)
+        local = linear(hidden, weight)
+        if local.shape[-1] < self.per_partition:  # packed blocks hold only a last shard's real rows
+            local = F.pad(local, (0, self.per_partition - local.shape[-1]))
+        logits = tensor_parallel_all_gather(local, dim=-1)
         return logits[..., : self.num_embeddings]
 
 

@@ -90,24 +90,29 @@ def tiny_llama(tmp_path_factory):
     return folder, json.loads((folder / "config.json").read_text())
 
 
-def projections_as(q_type, down_type=None):
-    """Every projection in `q_type` (the down projections in `down_type` if given)."""
+def projections_as(q_type, down_type=None, vocabulary=False):
+    """Every projection in `q_type` (the down projections in `down_type` if given; with
+    `vocabulary`, the embedding and LM head in `q_type` too)."""
+    kept = ("_proj.weight", "embed_tokens.weight", "lm_head.weight") if vocabulary else ("_proj.weight",)
 
     def block_format(name: str):
         if name.endswith("down_proj.weight") and down_type is not None:
             return down_type
-        return q_type if name.endswith("_proj.weight") else None
+        return q_type if name.endswith(kept) else None
 
     return block_format
 
 
 def test_tensor_parallel_splits_the_blocks(tiny_llama, tmp_path):
-    # Row-parallel layers split each row's blocks in halves of whole blocks, column-parallel ones
-    # their rows. bf16 rounds the two layouts' sums differently, which a random model's near ties
-    # can turn into another token: compared position by position on the same sequences, where the
-    # choices differ TP = 2's pick must be a near tie of TP = 1's (a misplaced block would not be).
+    # Row-parallel layers split each row's blocks in halves of whole blocks; column-parallel ones,
+    # the embedding and the LM head split their rows. bf16 rounds the two layouts' sums
+    # differently, which a random model's near ties can turn into another token: compared position
+    # by position on the same sequences, where the choices differ TP = 2's pick must be a near tie
+    # of TP = 1's (a misplaced block would not be).
     folder, config = tiny_llama
-    path = write_gguf(folder, config, tmp_path / "model.gguf", projections_as(Q.Q8_0, Q.Q4_1))
+    path = write_gguf(
+        folder, config, tmp_path / "model.gguf", projections_as(Q.Q8_0, Q.Q4_1, vocabulary=True)
+    )
     tops = {}
     for tp in (1, 2):
         llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, tensor_parallel_size=tp)
