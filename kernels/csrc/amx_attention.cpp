@@ -50,9 +50,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define RAYPAGE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -66,13 +64,7 @@ constexpr int64_t kDepth = 32;       // bf16 values along a tile row (64 bytes):
 constexpr int64_t kTileElems = 512;  // bf16 values in one packed tile (1 KB)
 constexpr int64_t kItemRows = 128;   // 8 row tiles share one packing of an item's keys and values
 
-// Linux lends a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); until then the first tile instruction faults. Asked once per process.
-bool amx_permitted() {
-  constexpr long kRequestPermission = 0x1023, kTileData = 18;
-  static const bool permitted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return permitted;
-}
+using raypage::amx_permitted;
 
 // GCC's tile loads (asm statements) and tile configuration load (a builtin) do not tell it they read
 // memory: without this it may move the stores that fill their source (packed keys and values, Q
@@ -83,17 +75,12 @@ inline void tiles_see_stores() { asm volatile("" ::: "memory"); }
 // keys masked) rather than reconfigured, so one configuration per thread and call serves every
 // item (loading one also zeroes the tiles). Tile state is per thread.
 void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-  } config;
+  raypage::TileShapes shapes;
   for (int t = 0; t < 8; ++t) {
-    config.bytes_per_row[t] = 2 * kDepth;
-    config.rows[t] = kRows;
+    shapes.rows[t] = kRows;
+    shapes.bytes[t] = 2 * kDepth;
   }
-  tiles_see_stores();
-  _tile_loadconfig(&config);
+  raypage::configure_tiles(shapes);
 }
 
 // Where one call's rows lie.

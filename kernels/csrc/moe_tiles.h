@@ -25,8 +25,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define RAYPAGE_MOE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace raypage::moe_tiles {
@@ -139,28 +138,16 @@ constexpr int64_t kColTiles = kBlockCols / kAmxRows;
 // Groups of fewer rows take the dot-product tiles: a tile of 16 rows would be mostly padding.
 constexpr int64_t kAmxMinRows = 8;
 
-// Linux lends a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); until then the first tile instruction faults. Asked once per process, as
-// amx_attention.cpp asks for its own.
-inline bool amx_permitted() {
-  constexpr long kRequestPermission = 0x1023, kTileData = 18;
-  static const bool permitted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return permitted;
-}
+using raypage::amx_permitted;
 
 // All eight tiles as 16 rows of 64 bytes: C in 0-3 (16 x 16 floats), the rows in 4, weights in 5-6.
 inline void configure_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-  } config;
+  raypage::TileShapes shapes;
   for (int t = 0; t < 8; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = kAmxRows;
+    shapes.rows[t] = kAmxRows;
+    shapes.bytes[t] = 64;
   }
-  asm volatile("" ::: "memory");  // GCC's tile builtins do not tell it that they read memory
-  _tile_loadconfig(&config);
+  raypage::configure_tiles(shapes);
 }
 
 // A group's rows (k values each, k a multiple of 32) as the B operand of W x^T: per tile of 16 rows

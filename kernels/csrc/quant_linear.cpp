@@ -4,8 +4,9 @@
 //   Repacks a weight's GGUF blocks (each row whole blocks, as stored in the file) into the layout
 //   below, once at load.
 // torch.ops.raypage.quant_gemv(x [M, in], quants, scales, ggml_type, out_features, bias=None) -> [M, out]
-//   The decode path: x (float32 or bf16) quantized to int8 once per call, int8 dot products, the
-//   weight streamed once for all M rows; float32 sums plus the bias, rounded once to x's dtype.
+//   The decode path: x (float32 or bf16) quantized to int8 once per call, int8 dot products (AMX
+//   int8 tiles for 16 rows or more where the CPU has them, else AVX-512 VNNI or AVX2), the weight
+//   streamed once for all M rows; float32 sums plus the bias, rounded once to x's dtype.
 // torch.ops.raypage.quant_dequantize(quants, scales, ggml_type, first_row, out [in, rows] float32 or bf16)
 //   Rows of the weight's values, transposed, as gguf.quants.dequantize gives them (rounded to bf16
 //   for a bf16 out); the prefill path multiplies panels of these.
@@ -59,6 +60,8 @@
 #if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+#include "amx_tiles.h"
 
 namespace {
 
@@ -522,11 +525,17 @@ struct QuantizedActivations {
   int32_t low_sum(int64_t m, int64_t b) const { return low_sums[m * blocks + b]; }
 };
 
+// Rows are kept to a multiple of 16, the padding zeros (quants, scales and sums alike): the AMX path
+// multiplies 16 rows at a time and drops the padding's outputs.
+constexpr int64_t kPaddedRows = 16;
+
 template <typename T>
 QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t in_features) {
   const int64_t blocks = in_features / kBlock;
-  QuantizedActivations a{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * blocks),
-                         std::vector<int32_t>(rows * blocks), std::vector<int32_t>(rows * blocks), in_features, blocks};
+  const int64_t padded = (rows + kPaddedRows - 1) / kPaddedRows * kPaddedRows;
+  QuantizedActivations a{std::vector<int8_t>(padded * in_features), std::vector<float>(padded * blocks),
+                         std::vector<int32_t>(padded * blocks), std::vector<int32_t>(padded * blocks), in_features,
+                         blocks};
   at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* src = x + i * kBlock;
@@ -640,6 +649,92 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
   }
   for (int i = 0; i < MC; ++i) _mm512_storeu_ps(sums[i], acc[i]);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define RAYPAGE_QUANT_AMX 1
+
+// AMX's int8 tiles: one `tdpbsud` multiplies 16 activation rows by a group's 16 output rows over a
+// block's 32 quants, the work of 16 x 8 `vpdpbusd`. The weights' 8 vectors of load_weights are the
+// B tile as they are (vector u: quants 4u..4u+3 of every row, row u of the tile), the activation
+// quants the A tile (16 rows of 32 bytes, a row of x apart), so only the float epilogue is per row.
+// Each block's tile dot waits for the last one's to be stored and read back (tiles are not renamed),
+// so below 16 rows, where the tile is padding, the vector path is faster (benchmarks.bench_quant_linear).
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kAmxMinRows = 16;
+
+// Tiles: 0 and 1 the int32 dots of a block's quants (all 32, or Q6_K's two halves of 16), 2 the
+// activation quants (32 a row), 3 and 4 their halves, 5 the weights (8 rows of 64 bytes), 6 and 7
+// their halves (4 rows each).
+inline void configure_quant_tiles() {
+  raypage::configure_tiles({{16, 16, 16, 16, 16, 8, 4, 4}, {64, 64, 32, 16, 16, 64, 64, 64}});
+}
+
+template <int64_t F>
+void amx_group(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
+               float (*sums)[kGroupRows]) {
+  __m512 acc[kAmxRows];
+  for (int i = 0; i < kAmxRows; ++i) acc[i] = _mm512_setzero_ps();
+  alignas(64) uint8_t weights[8 * 64];
+  alignas(64) int32_t dots[2][kAmxRows * kGroupRows];
+  const int64_t stride = a.in_features;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    __m512i w[8];
+    const uint8_t* block = quants + b * kGroupBlockBytes<F>;
+    load_weights<F>(block, w);
+    for (int u = 0; u < 8; ++u) _mm512_store_si512(weights + u * 64, w[u]);
+    const int8_t* x = a.block_quants(m0, b);
+    asm volatile("" ::: "memory");  // GCC's tile loads do not say they read the stores above
+    if constexpr (F == kQ6_K) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(3, x, stride);
+      _tile_loadd(4, x + 16, stride);
+      _tile_loadd(6, weights, 64);
+      _tile_loadd(7, weights + 4 * 64, 64);
+      _tile_dpbsud(0, 3, 6);
+      _tile_dpbsud(1, 4, 7);
+      _tile_stored(1, dots[1], 64);
+    } else {
+      _tile_zero(0);
+      _tile_loadd(2, x, stride);
+      _tile_loadd(5, weights, 64);
+      _tile_dpbsud(0, 2, 5);
+    }
+    _tile_stored(0, dots[0], 64);
+    asm volatile("" ::: "memory");  // nor do its stores say they write `dots`
+    const uint16_t* halves = scales + b / kBlocksPerScale<F> * kHalfScales<F> * kGroupRows;
+    const uint8_t* ints = block + kWords<F> * kWordRowBytes;
+    const __m512 d = slot_lanes<F>(halves, ints, 0);
+    const __m512 second = F != kQ4_0 && F != kQ8_0 ? slot_lanes<F>(halves, ints, 1) : d;
+    const __m512 third = F == kQ6_K || kScaledMin<F> ? slot_lanes<F>(halves, ints, 2) : d;
+    const __m512 scale = kScaledMin<F> ? _mm512_mul_ps(d, second) : d;
+    const __m512 min =
+        kScaledMin<F> ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(third, slot_lanes<F>(halves, ints, 3)))
+                      : second;
+    for (int i = 0; i < kAmxRows; ++i) {
+      const int32_t sum = a.sum(m0 + i, b);
+      const __m512i first = _mm512_load_si512(dots[0] + i * kGroupRows);
+      __m512 dot;
+      if constexpr (F == kQ6_K) {
+        const int32_t low_sum = a.low_sum(m0 + i, b);
+        const __m512i high = _mm512_load_si512(dots[1] + i * kGroupRows);
+        const __m512 low_dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(first, _mm512_set1_epi32(kIntegerOffset<F> * low_sum)));
+        const __m512 high_dot =
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(high, _mm512_set1_epi32(kIntegerOffset<F> * (sum - low_sum))));
+        dot = _mm512_add_ps(_mm512_mul_ps(low_dot, second), _mm512_mul_ps(high_dot, third));
+      } else {
+        // One integer dot for the whole block: the sum of gemv_group's two exact halves.
+        dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(first, _mm512_set1_epi32(kIntegerOffset<F> * sum)));
+      }
+      const float dx = a.scale(m0 + i, b);
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(dx)), acc[i]);
+      if constexpr (kHasMin<F>) acc[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx * static_cast<float>(sum)), acc[i]);
+    }
+  }
+  for (int i = 0; i < kAmxRows; ++i) _mm512_storeu_ps(sums[i], acc[i]);
+}
+
+#endif
 
 #elif defined(__AVX2__)
 
@@ -789,16 +884,32 @@ void gemv_rows(int64_t count, const uint8_t* quants, const uint16_t* scales, con
   gemv_group<F, MC>(quants, scales, a, m0, sums);
 }
 
-// All activation rows against one group, kRowsPerPass rows per pass over the group's weights (which
-// stay in L1/L2 after the first pass: memory is read once a call); each output the float32 sum plus
-// the bias (float32, or null), rounded once to T.
+// Whether this call takes the AMX path: enough rows, a CPU with AMX-INT8, and the tiles lent.
+bool use_tiles(int64_t rows) {
+#if defined(RAYPAGE_QUANT_AMX)
+  return rows >= kAmxMinRows && raypage::amx_permitted();
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
+// All activation rows against one group, a pass over the group's weights per kRowsPerPass rows, or
+// per 16 on the AMX path (`tiles`); the weights stay in L1/L2 after the first pass, so memory is read
+// once a call. Each output is the float32 sum plus the bias (float32, or null), rounded once to T.
 template <int64_t F, typename T>
 void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t rows,
-                   int64_t first_out, int64_t valid_out, const float* bias, int64_t out_features, T* out) {
-  float sums[kRowsPerPass][kGroupRows];
-  for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerPass) {
-    const int64_t count = std::min<int64_t>(kRowsPerPass, rows - m0);
-    gemv_rows<F>(count, quants, scales, a, m0, sums);
+                   bool tiles, int64_t first_out, int64_t valid_out, const float* bias, int64_t out_features, T* out) {
+  float sums[kPaddedRows][kGroupRows];
+  const int64_t pass_rows = tiles ? kPaddedRows : kRowsPerPass;
+  for (int64_t m0 = 0; m0 < rows; m0 += pass_rows) {
+    const int64_t count = std::min<int64_t>(pass_rows, rows - m0);
+#if defined(RAYPAGE_QUANT_AMX)
+    if (tiles)
+      amx_group<F>(quants, scales, a, m0, sums);
+    else
+#endif
+      gemv_rows<F>(count, quants, scales, a, m0, sums);
     for (int64_t i = 0; i < count; ++i) {
       T* row = out + (m0 + i) * out_features + first_out;
       for (int64_t r = 0; r < valid_out; ++r)
@@ -830,10 +941,14 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::T
   auto run = [&](auto format_tag, const auto* xs, auto* o) {
     constexpr int64_t F = decltype(format_tag)::value;
     const QuantizedActivations a = quantize_activations(xs, rows, in_features);
+    const bool tiles = use_tiles(rows);
     // Grain 1: parallel_for splits the groups into one equal range per thread.
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+#if defined(RAYPAGE_QUANT_AMX)
+      if (tiles) configure_quant_tiles();
+#endif
       for (int64_t g = begin; g < end; ++g)
-        gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, a, rows, g * kGroupRows,
+        gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, a, rows, tiles, g * kGroupRows,
                          std::min(kGroupRows, out_features - g * kGroupRows), b, out_features, o);
     });
   };

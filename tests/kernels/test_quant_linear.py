@@ -49,7 +49,7 @@ K_QUANT_BYTES = {T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (20
 # blocks of 256, which 576 is not: for them the same with 512 and 768.
 SHAPES = [(67, 128), (1536, 576), (576, 1536), (2064, 576)]
 K_SHAPES = [(67, 256), (1536, 512), (576, 1536), (2064, 768)]
-ROWS = [1, 3, 16, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1]
+ROWS = [1, 3, 16, 21, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1]
 
 
 def format_shapes(first: int | None = None) -> list:
