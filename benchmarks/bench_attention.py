@@ -2,6 +2,7 @@
 backend's gathers.
 
     python -m benchmarks.bench_attention [--threads 2] [--rounds 7] [--prefill] [--cold [--layers 30] [--small-pages]]
+                                         [--int8]
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), blocks of 16, a bf16 cache, blocks
 scattered at random. Decodes (the default): one batch of 64 sequences of 128-256 tokens and one of
@@ -17,6 +18,10 @@ By default one layer's cache is attended over and over, so its few megabytes of 
 L3. `--cold` times what the engine sees instead: one cache per layer (`--layers`, SmolLM2 has 30) of
 `--num-blocks` blocks on huge pages as the engine allocates them (`--small-pages`: 4 KB pages), all
 attended in sequence, so that each layer's blocks have left L3 by the time it comes round again.
+
+`--int8` adds `cpu_paged int8`: the same steps over each cache quantized into an int8 cache
+(kv_cache_dtype="int8", the `int8` path), and to the decodes a batch of 16 long contexts of 2048-4096
+tokens, where reading half the bytes should pay most. The int8 copies take about as much memory again.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from kernels.attention.metadata import AttentionMetadata
 from kernels.attention.params import AttentionParams
 from kernels.attention.sdpa import decode_padded_runs, sdpa_attention
 from kernels.build import cpu_kernels_available
-from kernels.cache_ops import reshape_and_cache
+from kernels.cache_ops import cache_row_width, reshape_and_cache
 from kernels.huge_pages import zeros_on_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -91,6 +96,19 @@ def paged_batch(
         block_size=BLOCK,
     )
     return query, caches, meta
+
+
+def int8_copy(cache: torch.Tensor, huge_pages: bool) -> torch.Tensor:
+    """`cache` quantized row by row into an int8 cache of the same blocks, allocated as the engine does."""
+    _, kv_heads, num_blocks, block_size, head_dim = cache.shape
+    shape = (2, kv_heads, num_blocks, block_size, cache_row_width(head_dim, torch.int8))
+    copy = (
+        zeros_on_huge_pages(*shape, dtype=torch.int8) if huge_pages else torch.zeros(shape, dtype=torch.int8)
+    )
+    # Every slot's rows as one step's keys and values: [slots, kv_heads, head_dim] each.
+    rows = cache.permute(0, 2, 3, 1, 4).reshape(2, num_blocks * block_size, kv_heads, head_dim)
+    reshape_and_cache(rows[0], rows[1], copy, torch.arange(num_blocks * block_size))
+    return copy
 
 
 def every_layer(attend: Callable[[torch.Tensor], object], caches: list[torch.Tensor]) -> None:
@@ -179,6 +197,9 @@ def time_batch(specs: list[tuple[int, int]], prefill: bool, args: argparse.Names
             backends["paged_decode"] = paged_decode_in_place
         steps = {name: lambda cache, f=f: f(out, query, cache, meta, PARAMS) for name, f in backends.items()}
     calls = {name: lambda step=step: every_layer(step, caches) for name, step in steps.items()}
+    if args.int8:
+        int8_caches = [int8_copy(cache, huge_pages=not args.small_pages) for cache in caches]
+        calls["cpu_paged int8"] = lambda: every_layer(steps["cpu_paged"], int8_caches)
     return time_calls(calls, args.threads, args.rounds, layers)
 
 
@@ -191,6 +212,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="caches attended in turn with --cold")
     parser.add_argument("--num-blocks", type=int, default=None, help="blocks per cache (8192; 11650 cold)")
     parser.add_argument("--small-pages", action="store_true", help="4 KB pages, not huge pages")
+    parser.add_argument("--int8", action="store_true", help="also over int8 copies of the caches")
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("the C++ kernels could not be built here (see the log line above)")
@@ -200,7 +222,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1)
         batches = {
             f"{n} x {low}-{high}": [(length - 1, 1) for length in sorted(lengths, reverse=True)]
-            for n, low, high in ((64, 128, 256), (128, 16, 1024))
+            for n, low, high in ((64, 128, 256), (128, 16, 1024), *([(16, 2048, 4096)] if args.int8 else []))
             for lengths in [torch.randint(low, high + 1, (n,), generator=gen).tolist()]
         }
     for label, specs in batches.items():

@@ -98,6 +98,12 @@ class CacheConfig(_Section):
 
     block_size: int = Field(16, gt=0, le=1024, description="Tokens per KV cache block")
     enable_prefix_caching: bool = Field(True, description="Share full blocks between equal prefixes")
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        "auto",
+        description="KV cache element type; auto: the model's dtype; int8: rows quantized per token and KV "
+        "head (a float32 scale each), about half a 16-bit cache's bytes, on the CPU with the cpu_paged "
+        "attention backend only",
+    )
     kv_cache_memory: int | None = Field(
         None, description="Bytes for the KV cache on the CPU (int or string like '4GiB'); default 4GiB"
     )

@@ -38,6 +38,7 @@ SOURCES = [
         "token_bitmask.cpp",
         "moe.cpp",
         "quant_linear.cpp",
+        "int8_attention.cpp",
     )
 ]
 # Every header in csrc, hashed with the sources that include them: a change to one builds a new library.

@@ -9,7 +9,8 @@ are the same bit for bit (tests/model/test_fused_layers.py), without the Python 
 
 A layer is fused where it is Llama's (plain attention, a SiLU MLP, no sliding window or soft cap)
 and all of it runs on those kernels: the cpu_paged attention backend over a bf16
-cache with the tiled prefill kernel built for its shape (AVX-512 BF16), its four projections in
+cache (never an int8 one, which only the int8 path reads) with the tiled prefill kernel built for
+its shape (AVX-512 BF16), its four projections in
 panels (kernels/linear.py), no biases but the QKV projection's, and no tensor parallelism (the
 row-parallel projections' all-reduce stays in Python). Anywhere else the layer's own forward runs.
 """
@@ -82,8 +83,10 @@ def _in_panels(weight: object, shards: int = 1) -> bool:
     return isinstance(weight, torch.Tensor) and weight.dim() == 4 and weight.shape[0] == shards
 
 
-def fusable(layer: DecoderLayer, attention_backend: AttentionBackend, block_size: int) -> bool:
-    """Whether every operator of `layer` runs on the fused call's kernels."""
+def fusable(
+    layer: DecoderLayer, attention_backend: AttentionBackend, block_size: int, kv_cache_dtype: torch.dtype
+) -> bool:
+    """Whether every operator of `layer` runs on the fused call's kernels, over a cache of `kv_cache_dtype`."""
     attention, mlp = layer.self_attn, layer.mlp
     if type(layer) is not DecoderLayer or not (
         isinstance(attention, Attention) and attention.is_plain and type(mlp) is GatedMLP
@@ -104,15 +107,20 @@ def fusable(layer: DecoderLayer, attention_backend: AttentionBackend, block_size
         return False
     head_dim = attention.head_dim
     query = torch.empty(0, attention.num_heads, head_dim, dtype=torch.bfloat16)
-    cache = torch.empty(2, attention.num_kv_heads, 0, block_size, head_dim, dtype=torch.bfloat16)
+    cache = torch.empty(2, attention.num_kv_heads, 0, block_size, head_dim, dtype=kv_cache_dtype)
     return tiled_serves(query, cache)
 
 
-def fuse_decoder_layers(model: nn.Module, attention_backend: AttentionBackend, block_size: int) -> int:
-    """Give each decoder layer of `model` that can take it a fused call; returns how many took one."""
+def fuse_decoder_layers(
+    model: nn.Module, attention_backend: AttentionBackend, block_size: int, kv_cache_dtype: torch.dtype
+) -> int:
+    """Give each decoder layer of `model` that can take it a fused call (over a cache of
+    `kv_cache_dtype`); returns how many took one."""
     fused = 0
     for module in model.modules():
-        if isinstance(module, DecoderLayer) and fusable(module, attention_backend, block_size):
+        if isinstance(module, DecoderLayer) and fusable(
+            module, attention_backend, block_size, kv_cache_dtype
+        ):
             module.fused = FusedDecoderLayer(module)
             fused += 1
     return fused

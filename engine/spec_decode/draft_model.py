@@ -33,18 +33,24 @@ from parallel.state import single_rank
 class DraftModel:
     """The draft model, its KV cache and its proposals."""
 
-    def __init__(self, config: ResolvedEngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ResolvedEngineConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: torch.dtype,
+    ) -> None:
         spec = config.speculative.speculative_config
         assert spec is not None and spec.model is not None and spec.hf_config is not None
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.block_size = config.cache.block_size
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.kv_cache_dtype = dtype, device, kv_cache_dtype
         self.backend = get_attention_backend(config.model.attention_backend, device, self.block_size)
         with single_rank():
             self.model = load_model(
                 ModelSource(Path(spec.model), spec.model_format), spec.hf_config, dtype, device
             )
-            fuse_decoder_layers(self.model, self.backend, self.block_size)
+            fuse_decoder_layers(self.model, self.backend, self.block_size, kv_cache_dtype)
         self.cache_engine: CacheEngine | None = None
 
     def kv_cache_spec(self) -> dict[int, tuple[int, int]]:
@@ -53,7 +59,12 @@ class DraftModel:
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_engine = CacheEngine(
-            num_blocks, self.block_size, self.kv_cache_spec(), self.dtype, self.device, num_cpu_blocks
+            num_blocks,
+            self.block_size,
+            self.kv_cache_spec(),
+            self.kv_cache_dtype,
+            self.device,
+            num_cpu_blocks,
         )
 
     def move_blocks(self, scheduler_output: SchedulerOutput) -> None:

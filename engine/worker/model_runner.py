@@ -34,7 +34,7 @@ from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_cache_manager import cdiv
 from engine.spec_decode.draft_model import DraftModel
-from engine.worker.cache_engine import CacheEngine
+from engine.worker.cache_engine import CacheEngine, resolve_kv_cache_dtype
 from engine.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from engine.worker.draft_rows import AcceptedTokens, SampleRow, accept_drafts, sample_rows
 from engine.worker.input_batch import InputBatch, WorkerSequenceState
@@ -63,6 +63,9 @@ class ModelRunner:
         self.attention_backend = get_attention_backend(
             config.model.attention_backend, device, self.block_size
         )
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.cache.kv_cache_dtype, self.dtype, self.attention_backend, device
+        )
         self.kv_caches: dict[int, torch.Tensor] = {}
         self._drafts: dict[str, list[int]] = {}  # this step's speculative drafts, by sequence
         self.model: torch.nn.Module | None = None
@@ -81,12 +84,12 @@ class ModelRunner:
             self.config.parallel.pipeline_partition,
             self.config.model.quantization,
         )
-        fused = fuse_decoder_layers(self.model, self.attention_backend, self.block_size)
+        fused = fuse_decoder_layers(self.model, self.attention_backend, self.block_size, self.kv_cache_dtype)
         if fused:
             logger.info("%d decoder layers run as one C++ call each (engine/models/fused_layers.py)", fused)
         speculative = self.config.speculative.speculative_config
         if speculative is not None and speculative.method == "draft_model" and get_parallel_state().is_driver:
-            self.draft = DraftModel(self.config, self.dtype, self.device)
+            self.draft = DraftModel(self.config, self.dtype, self.device, self.kv_cache_dtype)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -348,7 +351,7 @@ class ModelRunner:
         blocks_per_seq = cdiv(max(per_seq), self.block_size)
         # A scratch cache just big enough for this batch, every sequence on its own blocks.
         scratch = CacheEngine(
-            num_seqs * blocks_per_seq, self.block_size, self.kv_cache_spec(), self.dtype, self.device
+            num_seqs * blocks_per_seq, self.block_size, self.kv_cache_spec(), self.kv_cache_dtype, self.device
         ).kv_caches
         saved, self.kv_caches = self.kv_caches, scratch
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=self.config.model.max_logprobs)

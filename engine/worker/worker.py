@@ -83,10 +83,12 @@ class Worker:
         limits (on the CPU only for a cache of more than _UNPROFILED_SHARE of the available memory)."""
         cache = self.config.cache
         runner = self.model_runner
-        block_bytes = CacheEngine.bytes_per_block(cache.block_size, runner.kv_cache_spec(), runner.dtype)
+        block_bytes = CacheEngine.bytes_per_block(
+            cache.block_size, runner.kv_cache_spec(), runner.kv_cache_dtype
+        )
         if runner.draft is not None:  # a speculative draft model's cache has a block for each
             block_bytes += CacheEngine.bytes_per_block(
-                cache.block_size, runner.draft.kv_cache_spec(), runner.dtype
+                cache.block_size, runner.draft.kv_cache_spec(), runner.kv_cache_dtype
             )
         num_cpu_blocks = int(cache.swap_space * GiB) // block_bytes
         if cache.num_kv_blocks is not None:
@@ -140,7 +142,7 @@ class Worker:
             num_blocks + (0 if graphs_off else 1),
             self.config.cache.block_size,
             runner.kv_cache_spec(),
-            runner.dtype,
+            runner.kv_cache_dtype,
             self.device,
             num_cpu_blocks,
         )

@@ -7,18 +7,25 @@ prefill rows, and the first whose condition holds is taken.
 | path           | taken where                                                                        |
 | -------------- | ---------------------------------------------------------------------------------- |
 | sdpa           | the tensors are off the CPU                                                        |
+| int8           | an int8 cache (kv_cache_dtype="int8")                                              |
 | amx            | a plain layer; amx_serves: a bf16 cache, AMX-BF16, a head and block size it serves |
 | cascade_decode | decode rows of a plain layer; tiled_serves, and cascade_blocks: a shared prefix    |
 | paged_decode   | every other decode row                                                             |
 | tiled_prefill  | prefill rows; tiled_serves: a bf16 cache, AVX-512 BF16, a shape it is built for    |
 | sdpa_prefill   | every other prefill row (other dtypes, CPUs and shapes)                            |
 
-sdpa and amx take the whole batch, decodes and prefill chunks in one; the others one kind of row.
-A plain layer has neither a sliding window nor a soft cap (`AttentionParams.plain`): paged_decode,
-tiled_prefill and the sdpa paths honour both natively, the decode kernel starting at the block that
-holds each row's first visible key; amx and cascade_decode are for plain layers only.
+sdpa, int8 and amx take the whole batch, decodes and prefill chunks in one; the others one kind of
+row. A plain layer has neither a sliding window nor a soft cap (`AttentionParams.plain`): int8,
+paged_decode, tiled_prefill and the sdpa paths honour both natively, the decode and int8 kernels
+starting at the block that holds each row's first visible key; amx and cascade_decode are for plain
+layers only.
 
 - sdpa: the sdpa backend (kernels/attention/sdpa.py), decodes in padded runs and SDPA per chunk.
+- int8: `torch.ops.raypage.int8_paged_attention` (kernels/csrc/int8_attention.cpp), the only path
+  that reads an int8 cache (its row format in kernels/cache_ops.py): one call for decodes and prefill
+  chunks alike, each (sequence, KV head, run of query rows) an item that dequantizes every key and
+  value row it reads once for the run's rows and the GQA group's heads, with a running softmax in
+  float32. Half the bytes of a bf16 cache per token, for long contexts.
 - amx: `torch.ops.raypage.amx_paged_attention` (kernels/csrc/amx_attention.cpp; head_dim 32, 64, 96
   or 128, blocks of a multiple of 16 tokens), one call for decodes and prefill chunks alike: a
   sequence's query rows and the query heads of a GQA group are the rows of matrix tiles, each causal
@@ -131,6 +138,9 @@ class CpuAttentionPath:
 CPU_ATTENTION_PATHS: tuple[CpuAttentionPath, ...] = (
     CpuAttentionPath("sdpa", "the tensors are off the CPU", lambda b: not b.query.is_cpu),
     CpuAttentionPath(
+        "int8", 'an int8 cache (kv_cache_dtype="int8")', lambda b: b.kv_cache.dtype == torch.int8
+    ),
+    CpuAttentionPath(
         "amx",
         "a plain layer; amx_serves: a bf16 cache, AMX-BF16, a head and block size it serves",
         lambda b: b.params.plain and amx_serves(b.kv_cache),
@@ -163,9 +173,37 @@ def cpu_attention_path(
     rows: Rows, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, params: AttentionParams
 ) -> str:
     """The name of the path that attends the batch's `rows` (the first row of CPU_ATTENTION_PATHS
-    whose condition holds); "sdpa" and "amx" take the whole batch."""
+    whose condition holds); "sdpa", "int8" and "amx" take the whole batch."""
     batch = BatchRows(rows, query, kv_cache, meta, params)
     return next(path.name for path in CPU_ATTENTION_PATHS if path.applies(batch))
+
+
+def _int8_attention(
+    out: Tensor,
+    query: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    params: AttentionParams,
+    num_seqs: int,
+) -> None:
+    """The batch's first `num_seqs` sequences over an int8 cache, in one call."""
+    torch.ops.raypage.int8_paged_attention(
+        out,
+        query,
+        kv_cache,
+        meta.block_table[:num_seqs],
+        meta.seq_lens[:num_seqs],
+        meta.query_start_loc_tensor[: num_seqs + 1],
+        params.scale,
+        window=params.window_or_zero,
+        soft_cap=params.soft_cap_or_zero,
+    )
+
+
+def _int8_decodes(
+    out: Tensor, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, params: AttentionParams
+) -> None:
+    _int8_attention(out, query, kv_cache, meta, params, meta.num_decodes)
 
 
 def _amx_decodes(
@@ -218,6 +256,7 @@ def _paged_decodes(
 # The decode rows' paths: (out, query, kv_cache, meta, params) over the batch's leading decode rows.
 _DECODE_PATHS: dict[str, Callable[[Tensor, Tensor, Tensor, AttentionMetadata, AttentionParams], None]] = {
     "sdpa": decode_padded_runs,
+    "int8": _int8_decodes,
     "amx": _amx_decodes,
     "cascade_decode": _cascade_decodes,
     "paged_decode": _paged_decodes,
@@ -281,6 +320,9 @@ def cpu_paged_attention(
         return sdpa_attention(query, key, value, kv_cache, meta, params)
     reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
     out = torch.empty_like(query)
+    if decode_path == "int8":
+        _int8_attention(out, query, kv_cache, meta, params, meta.num_seqs)
+        return out
     if decode_path == "amx":
         torch.ops.raypage.amx_paged_attention(
             out, query, kv_cache, meta.block_table, meta.seq_lens, meta.query_start_loc_tensor, params.scale

@@ -33,6 +33,9 @@ inline Vec load_floats(const c10::BFloat16* p) {  // bf16 is the top half of a f
 inline Vec load_floats(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline Vec load_floats(const int8_t* p) {  // an int8 KV cache's values, exactly
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void store_floats(float* p, Vec x) { _mm512_storeu_ps(p, x); }
 // Stores lanes that already hold values of the narrower type (round_lanes' output): exact.
 inline void store_rounded(float* p, Vec x) { _mm512_storeu_ps(p, x); }
@@ -91,6 +94,9 @@ inline Vec load_floats(const c10::BFloat16* p) {  // bf16 is the top half of a f
 }
 inline Vec load_floats(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Vec load_floats(const int8_t* p) {  // an int8 KV cache's values, exactly
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void store_floats(float* p, Vec x) { _mm256_storeu_ps(p, x); }
 // Stores lanes that already hold values of the narrower type (round_lanes' output): exact.

@@ -16,10 +16,14 @@ from kernels.attention.cpu_paged import CPU_ATTENTION_PATHS, cpu_attention_path
 from tests.kernels.random_batch import specs_metadata
 
 
-def documented_path(rows: str, on_cpu: bool, plain: bool, amx: bool, tiled: bool, cascade: bool) -> str:
+def documented_path(
+    rows: str, on_cpu: bool, int8: bool, plain: bool, amx: bool, tiled: bool, cascade: bool
+) -> str:
     """The rules of cpu_paged.py's docstring, written out on their own."""
     if not on_cpu:
         return "sdpa"
+    if int8:
+        return "int8"
     if plain and amx:
         return "amx"
     if rows == "decode":
@@ -28,22 +32,22 @@ def documented_path(rows: str, on_cpu: bool, plain: bool, amx: bool, tiled: bool
 
 
 @pytest.mark.parametrize(
-    ("rows", "on_cpu", "plain", "amx", "tiled", "cascade"),
-    list(itertools.product(("decode", "prefill"), *[(True, False)] * 5)),
+    ("rows", "on_cpu", "int8", "plain", "amx", "tiled", "cascade"),
+    list(itertools.product(("decode", "prefill"), *[(True, False)] * 6)),
 )
 def test_each_combination_of_conditions_takes_the_documented_path(
-    rows, on_cpu, plain, amx, tiled, cascade, monkeypatch
+    rows, on_cpu, int8, plain, amx, tiled, cascade, monkeypatch
 ):
     monkeypatch.setattr(cpu_paged, "amx_serves", lambda kv_cache: amx)
     monkeypatch.setattr(cpu_paged, "tiled_serves", lambda query, kv_cache: tiled)
     monkeypatch.setattr(cpu_paged, "cascade_blocks", lambda meta: 3 if cascade else 0)
     device = "cpu" if on_cpu else "meta"  # the meta device: tensors off the CPU, without a GPU
     query = torch.empty(2, 6, 16, device=device)
-    kv_cache = torch.empty(2, 2, 4, 16, 16, device=device)
+    kv_cache = torch.empty(2, 2, 4, 16, 16, device=device, dtype=torch.int8 if int8 else torch.bfloat16)
     meta = specs_metadata([(20, 1), (0, 5)], torch.zeros(2, 2, dtype=torch.long), [0] * 6, 16, "cpu")
     # A plain layer, or one with a sliding window (a soft cap routes alike: test_attention_window.py).
     params = AttentionParams(0.25) if plain else AttentionParams(0.25, sliding_window=8)
-    expected = documented_path(rows, on_cpu, plain, amx, tiled, cascade)
+    expected = documented_path(rows, on_cpu, int8, plain, amx, tiled, cascade)
     assert cpu_attention_path(rows, query, kv_cache, meta, params) == expected
 
 

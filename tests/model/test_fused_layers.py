@@ -90,6 +90,9 @@ def test_layers_whose_operators_lack_a_kernel_stay_unfused(tmp_path):
     assert not any(
         layer.fused for layer in decoder_layers(LLM(str(folder), dtype="float32", num_kv_blocks=16))
     )
+    # The fused call's shapes in bf16, but over an int8 cache, which only the int8 path reads.
+    int8 = LLM(str(folder), dtype="bfloat16", kv_cache_dtype="int8", num_kv_blocks=16)
+    assert not any(layer.fused for layer in decoder_layers(int8))
     small_heads = write_tiny_model(tmp_path / "small", num_heads=4, num_kv_heads=2)
     assert not any(
         layer.fused for layer in decoder_layers(LLM(str(small_heads), dtype="bfloat16", num_kv_blocks=16))
