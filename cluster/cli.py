@@ -76,7 +76,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         api_server.add_server_args(server)
         add_engine_args(server)
         server.set_defaults(
-            handler=api_server.run_api_server, command_parser=server, check_args=api_server.server_settings
+            handler=api_server.run_api_server, command_parser=server, check_args=api_server.check_args
         )
 
     bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks with JSON results.")

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -45,10 +45,29 @@ def _as_dict(stats: msgspec.Struct | Mapping[str, Any]) -> Mapping[str, Any]:
     return msgspec.structs.asdict(stats) if isinstance(stats, msgspec.Struct) else stats
 
 
-def _spec_decode_totals(stats: Mapping[str, Any]) -> dict[str, Any]:
-    """The speculative decoding totals as flat keys `spec_decode_<name>` (none without it)."""
-    spec = stats.get("spec_decode")
-    return {} if spec is None else {f"spec_decode_{key}": value for key, value in _as_dict(spec).items()}
+def _section_totals(stats: Mapping[str, Any], section: str) -> dict[str, Any]:
+    """A nested section's values (speculative decoding's, LoRA's) as flat keys `<section>_<name>`
+    (none without it)."""
+    values = stats.get(section)
+    return {} if values is None else {f"{section}_{key}": value for key, value in _as_dict(values).items()}
+
+
+def lora_request_counter(registry: CollectorRegistry) -> Counter:
+    """Engine requests run with each LoRA adapter, counted by the HTTP app as it sends them."""
+    return Counter(
+        PREFIX + "lora_adapter_requests",
+        "Requests run with each LoRA adapter",
+        ["model_name", "lora_name"],
+        registry=registry,
+    )
+
+
+class EngineStatsSource(Protocol):
+    """What a scrape refreshes the metrics from: the engine's latest counters, and its adapters."""
+
+    def get_stats(self) -> dict[str, Any]: ...
+
+    async def list_loras(self) -> list[int]: ...
 
 
 class PrometheusStatLogger:
@@ -95,7 +114,24 @@ class PrometheusStatLogger:
             "spec_decode_num_accepted_tokens": labeled(
                 Counter, "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted"
             ),
+            "lora_num_loads": labeled(Counter, "lora_loads", "LoRA adapters loaded into a device slot"),
+            "lora_num_evictions": labeled(
+                Counter, "lora_evictions", "LoRA adapter loads that evicted another adapter from its slot"
+            ),
         }
+        # vLLM's lora_requests_info: one series, whose labels name the adapters of the running and
+        # waiting requests and whose value is the time they were seen.
+        self.lora_requests_info = Gauge(
+            PREFIX + "lora_requests_info",
+            "LoRA adapters of the running and waiting requests (labels); the value is when they were seen",
+            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=self.registry,
+        )
+        self._lora_info_labels: tuple[str, ...] | None = None
+        self.lora_loaded_adapters = labeled(
+            Gauge, "lora_loaded_adapters", "LoRA adapters the engine holds loaded (in host memory)"
+        )
+        self.lora_adapter_requests = lora_request_counter(self.registry)
         self.accepted_per_position = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Speculative draft tokens accepted at each position of the drafts",
@@ -157,11 +193,13 @@ class PrometheusStatLogger:
     def update_scheduler_stats(self, stats: SchedulerStats | Mapping[str, Any]) -> None:
         """Set the gauges, and advance the counters by what the scheduler's totals grew."""
         values = _as_dict(stats)
-        values = {**values, **_spec_decode_totals(values)}
+        values = {**values, **_section_totals(values, "spec_decode"), **_section_totals(values, "lora")}
         self.num_requests_running.set(values.get("num_running_reqs", 0))
         self.num_requests_waiting.set(values.get("num_waiting_reqs", 0))
         self.kv_cache_usage.set(values.get("kv_cache_usage", 0.0))
         with self._lock:  # record() and a scrape may both update the totals
+            if values.get("lora") is not None:
+                self._update_lora_info(_as_dict(values["lora"]))
             for key, counter in self.counters.items():
                 total = values.get(key, 0)
                 # A smaller total means the engine core restarted: count from its new zero.
@@ -169,6 +207,32 @@ class PrometheusStatLogger:
                 counter.inc(total - previous if total >= previous else total)
                 self._totals[key] = total
             self._count_accepted_per_position(values.get("spec_decode_num_accepted_tokens_per_pos", []))
+
+    def _update_lora_info(self, lora: Mapping[str, Any]) -> None:
+        labels = (
+            self._model_name,
+            str(lora.get("max_loras", 0)),
+            ",".join(sorted(lora.get("running") or {})),
+            ",".join(sorted(lora.get("waiting") or {})),
+        )
+        # vLLM keeps every label set it ever showed; only the current one is kept here, so that the
+        # series do not pile up as adapters come and go.
+        if self._lora_info_labels not in (None, labels):
+            self.lora_requests_info.remove(*self._lora_info_labels)
+        self._lora_info_labels = labels
+        self.lora_requests_info.labels(*labels).set_to_current_time()
+
+    async def refresh(self, engine: EngineStatsSource) -> None:
+        """At a scrape: the scheduler's latest state (zero once idle), and with LoRA on (the engine
+        reports LoRA stats) the adapters it holds loaded."""
+        stats = engine.get_stats()
+        self.update_scheduler_stats(stats)
+        if stats.get("lora") is not None:
+            self.lora_loaded_adapters.set(len(await engine.list_loras()))
+
+    def count_lora_requests(self, model_name: str, lora_name: str, count: int) -> None:
+        """`count` more engine requests run with the adapter `lora_name` of `model_name`."""
+        self.lora_adapter_requests.labels(model_name, lora_name).inc(count)
 
     def _count_accepted_per_position(self, totals: list[int]) -> None:
         previous = self._accepted_per_position + [0] * (len(totals) - len(self._accepted_per_position))

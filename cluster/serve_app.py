@@ -8,6 +8,8 @@ several models (`models:`) each has an LLMServer deployment of its own (its repl
 autoscaling) behind one OpenAIIngress, which routes by the request's `model`.
 With `distributed_executor_backend: ray`, each LLMServer replica gets a placement group of one
 bundle per worker (the replica's own CPUs merged into bundle 0) and its engine's workers run there.
+LoRA adapters (`lora_modules`, `dynamic_lora_loading_path`) are loaded by the replicas on demand,
+at most `max_num_adapters_per_replica` each; see `cluster.serve.adapters` and docs/lora.md.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             model.server,
             first.options.stream_batch_interval_ms / 1000,
             niceness=model.options.replica_niceness,
+            max_adapters=model.max_adapters_per_replica,
         )
         for model in models
     ]
@@ -52,7 +55,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         for llm_server, model in zip(llm_servers, models, strict=True)
     ]
     failover = FailoverSettings(first.options.failover, first.options.failover_timeout_s)
-    return OpenAIIngress.options(**ingress_options(models)).bind(served_models, first.server, failover)
+    adapters = [model.server.lora for model in models]
+    return OpenAIIngress.options(**ingress_options(models)).bind(
+        served_models, first.server, failover, adapters
+    )
 
 
 def llm_server_name(settings: ServeAppSettings, num_models: int) -> str:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from engine.frontend.llm import LLM
     from engine.frontend.llm_engine import LLMEngine
     from engine.frontend.logprobs import Logprob
+    from engine.lora.request import LoRARequest
     from engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
     from engine.sampling_params import (
         BeamSearchParams,
@@ -35,6 +36,7 @@ _EXPORTS = {
     "EngineConfig": "engine.config",
     "LLMEngine": "engine.frontend.llm_engine",
     "Logprob": "engine.frontend.logprobs",
+    "LoRARequest": "engine.lora.request",
     "RequestOutput": "engine.outputs",
     "RequestOutputKind": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
@@ -49,6 +51,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "RequestOutputKind",

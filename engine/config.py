@@ -222,12 +222,36 @@ class SpeculativeSection(_Section):
         return parse_speculative_config(value)
 
 
+class LoRAConfig(_Section):
+    """LoRA adapters served on top of the base model (vLLM's names and defaults)."""
+
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (PEFT folders) beside the base model")
+    max_loras: int = Field(1, ge=1, description="Adapters one step can run (device slots)")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="Highest adapter rank accepted")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="Adapters kept loaded in host memory (an LRU cache); None: max_loras"
+    )
+
+    @model_validator(mode="after")
+    def _cpu_cache_holds_slots(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+            )
+        return self
+
+    @property
+    def host_cache_size(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "speculative": SpeculativeSection,
+    "lora": LoRAConfig,
 }
 
 
@@ -241,6 +265,7 @@ class EngineConfig(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     @model_validator(mode="after")
     def _check_batch_limits(self) -> EngineConfig:

@@ -56,6 +56,7 @@ def resolve_engine_config(config: EngineConfig) -> ResolvedEngineConfig:
         scheduler=config.scheduler,
         parallel=config.parallel,
         speculative=ResolvedSpeculativeSection(speculative_config=speculative),
+        lora=config.lora,
     )
 
 

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 
 import msgspec
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -46,6 +47,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     beam_search: BeamSearchParams | None = None
     # Tenant isolation of the prefix cache: a non-empty salt mixed into the first block's hash.
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
@@ -75,6 +77,7 @@ class NewSequenceData(msgspec.Struct, array_like=True, omit_defaults=True):
     seed: int | None = None  # this sequence's own seed (forks of a seeded request differ)
     num_logprobs: int | None = None  # top-k log-probabilities to return per sampled token
     num_prompt_logprobs: int | None = None
+    lora_int_id: int = 0  # its adapter (LoRARequest.lora_int_id); 0: the base model
 
 
 class RunningSequenceDeltas(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -124,6 +127,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Sequences a draft model proposes for after this step (the scheduler allocated their lookahead slots).
     draft_seq_ids: list[str] = msgspec.field(default_factory=list)
+    # LoRA adapters to load into device slots before the step, by slot (each replaces the slot's
+    # adapter): the scheduler owns the slots, so every worker holds the same adapter in each.
+    lora_loads: dict[int, LoRARequest] = msgspec.field(default_factory=dict)
 
     @property
     def has_block_moves(self) -> bool:
@@ -153,6 +159,18 @@ class SpecDecodeStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
+class LoRAStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """LoRA adapters (vLLM's lora_requests_info, and running totals): the adapters of the running
+    and waiting requests (request counts by adapter name), the device slots, and how many times an
+    adapter was loaded into a slot and how many of those loads evicted another one."""
+
+    running: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting: dict[str, int] = msgspec.field(default_factory=dict)
+    max_loras: int = 0
+    num_loads: int = 0
+    num_evictions: int = 0
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """Counters the scheduler reports after each step (and `LLM.get_stats()` returns)."""
 
@@ -177,6 +195,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     grammar_compile_seconds: float = 0.0
     grammar_cache_hits: int = 0
     spec_decode: SpecDecodeStats | None = None  # None without speculative decoding
+    lora: LoRAStats | None = None  # None without enable_lora
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

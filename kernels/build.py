@@ -39,6 +39,7 @@ SOURCES = [
         "moe.cpp",
         "quant_linear.cpp",
         "int8_attention.cpp",
+        "lora.cpp",
     )
 ]
 # Every header in csrc, hashed with the sources that include them: a change to one builds a new library.

@@ -14,12 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused_ops import silu_and_mul
 from kernels.gguf_blocks import BlockLinearWeight, GGUFBlocks
 from kernels.linear import WeightForm, best_weight_form, linear, prepare_weight, silu_and_mul_linear
 from parallel.comm import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from parallel.state import get_parallel_state
 
 WeightLoader = Callable[..., None]
+# Adds LoRA adapters' products to a projection's output, in place: lora(x, out) (engine/lora/layers.py).
+LoRAHook = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -95,6 +98,9 @@ class _PreparableLinear(_TensorParallelModule):
     weight: nn.Parameter | BlockLinearWeight
     # Blocks of output rows the weight stacks, each packed on its own (kernels/linear.py).
     weight_shards = 1
+    # The LoRA adapters of this projection, where they are enabled; added before any all-reduce,
+    # since the adapters' partial products over a row-parallel input sum like the base's.
+    lora: LoRAHook | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -143,7 +149,10 @@ class ColumnParallelLinear(_PreparableLinear):
         _copy_rows(self, param, 0, size, _shard(loaded, 0, self.tp_rank, size, self.tp_size, name), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora(x, out)
+        return out
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -170,7 +179,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [gate, up] projection (this rank's slices of both): a gated MLP's
-        activation, computed in the matmul's epilogue where the weight is in panels."""
+        activation, computed in the matmul's epilogue where the weight is in panels (and no adapter
+        adds to the projection first)."""
+        if self.lora is not None:
+            return silu_and_mul(self(x))
         return silu_and_mul_linear(x, self.weight, self.bias)
 
 
@@ -229,6 +241,7 @@ class RowParallelLinear(_PreparableLinear):
         self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
+        self.output_size = output_size
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
         self.weight = _parameter((output_size, self.input_size_per_partition), self.weight_loader, dtype)
         self.bias = _parameter((output_size,), default_weight_loader, dtype) if bias else None
@@ -241,7 +254,10 @@ class RowParallelLinear(_PreparableLinear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_parallel_all_reduce(linear(x, self.weight))
+        partial = linear(x, self.weight)
+        if self.lora is not None:
+            self.lora(x, partial)
+        out = tensor_parallel_all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 

@@ -1,6 +1,7 @@
 """`raypage api-server`: the OpenAI-compatible app over an `AsyncLLMEngine`, served by uvicorn.
 
 raypage api-server --host 127.0.0.1 --port 8000 [--api-key K] [--served-model-name NAME] [engine flags]
+raypage api-server --model BASE --enable-lora --lora-modules sql=/adapters/sql [--allow-runtime-lora-updating]
 """
 
 from __future__ import annotations
@@ -13,12 +14,20 @@ from typing import Any
 
 import psutil
 import uvicorn
+from uvicorn.main import STARTUP_FAILURE
 
+from cluster.engine_args import engine_settings_from_args
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, served_model_names
 from cluster.openai.drain import DrainState
 from cluster.openai.engine_watching_server import EngineWatchingServer
 from cluster.openai.reasoning_parsers import REASONING_PARSERS
+from cluster.openai.serving_models import (
+    RUNTIME_LORA_UPDATING_ENV,
+    LoRASources,
+    parse_lora_module,
+    runtime_lora_updating_allowed,
+)
 from cluster.openai.tool_calling import AUTO_TOOL_PARSERS
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
@@ -100,6 +109,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="the reasoning format of the model's output, for chat: its think block becomes the reply's "
         "reasoning (and reasoning_content), the rest its content",
     )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="MODULE",
+        help="LoRA adapters to serve (needs --enable-lora), each name=path or vLLM's JSON object "
+        '{"name": ..., "path": ..., "base_model_name": ...}; a request names one in its model',
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on when "
+        f"${RUNTIME_LORA_UPDATING_ENV}, vLLM's switch, is true)",
+    )
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
@@ -119,13 +142,26 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        lora=LoRASources(tuple(parse_lora_module(module) for module in args.lora_modules)),
+        allow_runtime_lora_updating=runtime_lora_updating_allowed(args.allow_runtime_lora_updating),
     )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The server flags, and the engine flags they need; ValueError on a bad one, before any weights load."""
+    settings = server_settings(args)
+    if (
+        settings.lora.configured
+        and not EngineConfig.from_flat(**engine_settings_from_args(args)).lora.enable_lora
+    ):
+        raise ValueError("--lora-modules needs --enable-lora")
 
 
 def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) -> None:
     """Start the engine core, then serve until SIGINT or SIGTERM, which drain the server (see
     `cluster.openai.drain`); the engine is shut down after, and the process exits with status 0 —
-    or with status 1 when the engine dies (see EngineWatchingServer).
+    or with status 1 when the engine dies (see EngineWatchingServer), and with uvicorn's status 3
+    when the app fails to start (a bad --lora-modules adapter).
 
     Outside uvicorn's serving loop (while the engine starts, and while it stops) both signals raise
     KeyboardInterrupt, so that a stop during start-up stops the engine core too, and one during the
@@ -140,6 +176,8 @@ def run_api_server(args: argparse.Namespace, engine_settings: dict[str, Any]) ->
         return
     if server.engine_death is not None:
         raise SystemExit(1)
+    if not server.started:  # the app's startup failed, and uvicorn logged why
+        raise SystemExit(STARTUP_FAILURE)
 
 
 def _serve(

@@ -1,7 +1,8 @@
 """The OpenAI-compatible FastAPI app, built by `build_app(engine, settings)` from any engine client.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version,
-GET /metrics, POST /tokenize, POST /detokenize, POST /reset_prefix_cache.
+GET /metrics, POST /tokenize, POST /detokenize, POST /reset_prefix_cache; with runtime LoRA updating
+allowed, POST /v1/load_lora_adapter and POST /v1/unload_lora_adapter (vLLM's).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from collections.abc import AsyncIterator, Sequence
 from http import HTTPStatus
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import SecretStr
 
@@ -35,6 +36,7 @@ from cluster.openai.protocol import (
     ModelList,
     OpenAIBaseModel,
 )
+from cluster.openai.protocol_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from cluster.openai.protocol_tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -42,6 +44,7 @@ from cluster.openai.protocol_tokenize import (
     TokenizeResponse,
 )
 from cluster.openai.reasoning_parsers import get_reasoning_parser
+from cluster.openai.serving_models import LoRASources
 from cluster.openai.tool_calling import check_tool_settings
 from engine.models.model_files import PACKAGED_GGUF
 
@@ -70,6 +73,10 @@ class ServerSettings:
     # The reasoning format of the model's output (vLLM's --reasoning-parser): the text inside
     # <think>...</think> becomes the chat reply's `reasoning`; None: all of it is content.
     reasoning_parser: str | None = None
+    # The served model's LoRA adapters: static modules (vLLM's --lora-modules) and a dynamic folder.
+    lora: LoRASources = dataclasses.field(default_factory=LoRASources)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -83,6 +90,9 @@ class ServerSettings:
         check_tool_settings(self.enable_auto_tool_choice, self.tool_call_parser)
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known ones
+        taken = sorted({module.name for module in self.lora.modules} & set(self.served_model_names))
+        if taken:
+            raise ValueError(f"LoRA module name(s) {', '.join(map(repr, taken))} are served model names")
 
 
 def served_model_names(requested: str | list[str] | None, model: str | None) -> list[str]:
@@ -104,7 +114,9 @@ def _package_version() -> str:
 class MetricsSource(Protocol):
     """What /metrics renders: `PrometheusStatLogger`, or the Serve ingress's view of a replica's."""
 
-    def update_scheduler_stats(self, stats: dict[str, Any]) -> None: ...
+    async def refresh(self, engine: EngineClient) -> None: ...
+
+    def count_lora_requests(self, model_name: str, lora_name: str, count: int) -> None: ...
 
     def render(self) -> bytes: ...
 
@@ -123,20 +135,23 @@ def build_app(
     `prometheus` and `log_stats` are the stat loggers the engine was started with; without
     `prometheus` the app keeps its own, whose gauges /metrics refreshes from `engine.get_stats()`.
     With `drain` the app counts its requests in flight and refuses new ones once it drains.
+    The static LoRA modules are loaded as the app starts (a bad one stops it).
     """
     max_model_len = engine.config.model.max_model_len
     prometheus = prometheus or PrometheusStatLogger(settings.served_model_names[0], max_model_len)
     timeout_s = settings.request_timeout_s
     models = ModelRouter(
-        [ServedModel(engine, settings.served_model_names), *other_models],
+        [ServedModel(engine, settings.served_model_names, settings.lora), *other_models],
         timeout_s,
         settings.enable_prompt_tokens_details,
         settings.tool_call_parser if settings.enable_auto_tool_choice else None,
         settings.reasoning_parser,
+        prometheus.count_lora_requests,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await models.init_static_loras()
         task = None
         if log_stats is not None and settings.log_stats_interval > 0:
             task = asyncio.create_task(log_stats_periodically(engine, log_stats, settings.log_stats_interval))
@@ -186,6 +201,18 @@ def build_app(
             )
         return Response(status_code=200)
 
+    if settings.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            await models.load_lora_adapter(body.lora_name, body.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            await models.unload_lora_adapter(body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
     @app.get("/version")
     async def get_version() -> dict[str, str]:
         return {"version": _package_version()}
@@ -193,7 +220,7 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         if not engine.errored:
-            prometheus.update_scheduler_stats(engine.get_stats())
+            await prometheus.refresh(engine)
         return Response(prometheus.render(), media_type=CONTENT_TYPE_LATEST)
 
     # Added last = outermost: the key is checked before any of the body is read.

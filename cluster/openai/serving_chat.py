@@ -5,7 +5,7 @@ reasoning (cluster/openai/chat_reply.py)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from http import HTTPStatus
 
 import msgspec
@@ -13,7 +13,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cluster.openai.chat_reply import ROLE, ReplyParsers
-from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError
 from cluster.openai.protocol import (
     LOGPROB_FLOOR,
@@ -29,6 +28,7 @@ from cluster.openai.protocol import (
 )
 from cluster.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from cluster.openai.serving_engine import OpenAIServing, ServingCall, raise_on_error, random_id
+from cluster.openai.serving_models import OpenAIServingModels
 from cluster.openai.tool_calling import ToolPlan, plan_tools
 from engine.frontend.logprobs import Logprob
 from engine.outputs import CompletionOutput
@@ -68,14 +68,13 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(
         self,
-        engine: EngineClient,
-        served_model_names: Sequence[str],
+        models: OpenAIServingModels,
         default_timeout_s: float | None = None,
         prompt_tokens_details: bool = False,
         auto_tool_parser: str | None = None,
         reasoning_parser: str | None = None,
     ) -> None:
-        super().__init__(engine, served_model_names, default_timeout_s, prompt_tokens_details)
+        super().__init__(models, default_timeout_s, prompt_tokens_details)
         # The --tool-call-parser of tool_choice "auto"; None without --enable-auto-tool-choice.
         self.auto_tool_parser = auto_tool_parser
         # The --reasoning-parser's format (ValueError for an unknown name, before serving).
@@ -86,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response | None:
-        model = self.resolve_model(request.model)
+        model, lora_request = self.resolve_model(request.model)
         await self.check_engine()
         tools = plan_tools(request, self.auto_tool_parser)
         prompt = self.render_chat(
@@ -109,7 +108,13 @@ class OpenAIServingChat(OpenAIServing):
         self.validate(prompt, params, request.cache_salt)
         request_id = random_id("chatcmpl")
         outputs = self.generate(
-            request_id, [prompt], [params], request.priority, request.timeout, request.cache_salt
+            request_id,
+            [prompt],
+            [params],
+            request.priority,
+            request.timeout,
+            request.cache_salt,
+            lora_request,
         )
         reasoning = None
         if self.reasoning_parser is not None:

@@ -43,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """The completions handler."""
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response | None:
-        model = self.resolve_model(request.model)
+        model, lora_request = self.resolve_model(request.model)
         await self.check_engine()
         prompts = self._tokenize(request)
         structure = request.requested_structure()
@@ -61,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params.append(prompt_params)
         request_id = random_id("cmpl")
         outputs = self.generate(
-            request_id, prompts, params, request.priority, request.timeout, request.cache_salt
+            request_id, prompts, params, request.priority, request.timeout, request.cache_salt, lora_request
         )
         call = ServingCall(request, model, request_id, prompts, outputs)
         return await self.respond(call, raw_request, self._stream, self._collect)

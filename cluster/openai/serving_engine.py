@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, Generic, TypeVar
 
@@ -19,6 +19,7 @@ from cluster.openai.chat_reply import ReplyParsers
 from cluster.openai.engine_client import EngineClient
 from cluster.openai.errors import OpenAIError
 from cluster.openai.protocol import ChatMessage, PromptTokenUsageInfo, UsageInfo
+from cluster.openai.serving_models import OpenAIServingModels
 from cluster.openai.streaming import (
     PrimedStream,
     SSEResponse,
@@ -28,6 +29,7 @@ from cluster.openai.streaming import (
     within_deadline,
 )
 from engine.frontend.tokenizer import render_chat_prompt
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -69,21 +71,20 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIServing:
-    """Base of the route handlers: one engine, the names it is served under."""
+    """Base of the route handlers: one engine, the names it is served under and its adapters (`models`)."""
 
     def __init__(
         self,
-        engine: EngineClient,
-        served_model_names: Sequence[str],
+        models: OpenAIServingModels,
         default_timeout_s: float | None = None,
         prompt_tokens_details: bool = False,
     ) -> None:
-        self.engine = engine
-        self.served_model_names = list(served_model_names)
+        self.models = models
+        self.engine: EngineClient = models.engine
         self.default_timeout_s = default_timeout_s
         self.prompt_tokens_details = prompt_tokens_details
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.config.model.max_model_len
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.config.model.max_model_len
 
     def usage(
         self, prompts: list[EnginePrompt], num_completion_tokens: int, num_cached_tokens: int
@@ -101,13 +102,10 @@ class OpenAIServing:
             prompt_tokens_details=details,
         )
 
-    def resolve_model(self, requested: str | None) -> str:
-        """The served name a request addresses (the first one when it names none); 404 otherwise."""
-        if not requested:
-            return self.served_model_names[0]
-        if requested not in self.served_model_names:
-            raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist.", "model")
-        return requested
+    def resolve_model(self, requested: str | None) -> tuple[str, LoRARequest | None]:
+        """The name a request addresses (the first served one when it names none) and the adapter it
+        runs with, if it names one; 404 when nothing has that name."""
+        return self.models.resolve(requested)
 
     async def check_engine(self) -> None:
         """Fail fast with 503 (EngineDeadError, saying why) when the engine is dead, before any work."""
@@ -197,24 +195,31 @@ class OpenAIServing:
         priority: int,
         timeout_s: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of every prompt's engine request as they come, tagged with the prompt index;
-        each prompt carries the request's `cache_salt`.
+        each prompt carries the request's `cache_salt`, and runs with its adapter `lora_request`.
 
         Leaving early (a client disconnect, an error, the deadline `timeout_s` seconds from now, else
         the server's default, passing: a 504) closes every engine stream, which aborts the requests
         still running and frees their blocks.
         """
         timeout_s = timeout_s or self.default_timeout_s
+        # A base-model request passes no adapter at all, so that an engine client serving none need
+        # not take the argument.
+        adapter = {} if lora_request is None else {"lora_request": lora_request}
         streams = [
             self.engine.generate(
                 prompt.engine_input(cache_salt),
                 prompt_params,
                 f"{request_id}-{index}",
                 priority=priority,
+                **adapter,
             )
             for index, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]
+        if lora_request is not None:
+            self.models.count_requests(lora_request, len(streams))
         try:
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for item in within_deadline(merged, timeout_s, _deadline_error):

@@ -22,6 +22,7 @@ from ray.serve.config import AutoscalingConfig
 
 from cluster.openai.app import ServerSettings, served_model_names
 from cluster.openai.reasoning_parsers import REASONING_PARSERS
+from cluster.openai.serving_models import LoRASources, parse_lora_module, runtime_lora_updating_allowed
 from cluster.openai.tool_calling import AUTO_TOOL_PARSERS
 from engine.config import EngineConfig, checked_flat_settings, describe_validation_error
 
@@ -38,6 +39,9 @@ MODEL_KEYS = (
     "replica_niceness",
     "health_check_period_s",
     "health_check_timeout_s",
+    "lora_modules",
+    "dynamic_lora_loading_path",
+    "max_num_adapters_per_replica",
 )
 
 
@@ -204,6 +208,29 @@ class ServeOptions(BaseModel):
     health_check_timeout_s: float = Field(
         30.0, gt=0, description="Seconds a health check may take before it counts as failed"
     )
+    lora_modules: list[str | dict[str, Any]] | None = Field(
+        None,
+        description="LoRA adapters to serve (needs enable_lora), each 'name=path' or a mapping with name, "
+        "path and optionally base_model_name (vLLM's --lora-modules); a request's model picks one by name",
+    )
+    dynamic_lora_loading_path: str | None = Field(
+        None,
+        description="A folder of PEFT adapter folders (needs enable_lora): a request for "
+        "'<served model name>:<adapter>' runs the adapter in <folder>/<adapter>, which an LLMServer "
+        "replica loads on first use (Ray Serve LLM's dynamic_lora_loading_path)",
+    )
+    max_num_adapters_per_replica: int | None = Field(
+        None,
+        ge=1,
+        description="Adapters one LLMServer replica holds at most; loading another evicts its least recently "
+        "used one. Raises the engine's max_cpu_loras to it when that is not set; None: the engine's "
+        "max_cpu_loras (else max_loras)",
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on when "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING is true where the app is built)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +242,11 @@ class ServeAppSettings:
     engine_config: EngineConfig
     server: ServerSettings
     options: ServeOptions
+
+    @property
+    def max_adapters_per_replica(self) -> int:
+        """The LoRA adapters one LLMServer replica holds at most (its engine's host cache holds them all)."""
+        return self.options.max_num_adapters_per_replica or self.engine_config.lora.host_cache_size
 
 
 def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
@@ -229,12 +261,22 @@ def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
             f"{ENGINE_FILE_KEY!r}, the Serve keys {', '.join(ServeOptions.model_fields)} and the flat "
             f"engine keys {', '.join(EngineConfig.flat_fields())}"
         )
-    engine_settings = checked_flat_settings(path, args, ENGINE_FILE_KEY)
-    engine_config = EngineConfig.from_flat(**engine_settings)
     try:
         options = ServeOptions(**option_args)
+        lora = LoRASources(
+            tuple(parse_lora_module(module) for module in options.lora_modules or ()),
+            options.dynamic_lora_loading_path,
+        )
     except ValidationError as exc:
         raise ValueError(f"invalid Serve settings: {describe_validation_error(exc)}") from None
+    except ValueError as exc:
+        raise ValueError(f"invalid Serve settings: lora_modules: {exc}") from None
+    engine_settings = _with_adapter_room(
+        checked_flat_settings(path, args, ENGINE_FILE_KEY), options.max_num_adapters_per_replica
+    )
+    engine_config = EngineConfig.from_flat(**engine_settings)
+    if lora.configured and not engine_config.lora.enable_lora:
+        raise ValueError("lora_modules and dynamic_lora_loading_path need the engine key enable_lora: true")
     server = ServerSettings(
         served_model_names=served_model_names(options.served_model_name, engine_config.model.model),
         api_key=options.api_key or None,
@@ -245,8 +287,27 @@ def parse_app_args(args: Mapping[str, Any]) -> ServeAppSettings:
         enable_auto_tool_choice=options.enable_auto_tool_choice,
         tool_call_parser=options.tool_call_parser,
         reasoning_parser=options.reasoning_parser,
+        lora=lora,
+        allow_runtime_lora_updating=runtime_lora_updating_allowed(options.allow_runtime_lora_updating),
     )
     return ServeAppSettings(engine_settings, engine_config, server, options)
+
+
+def _with_adapter_room(engine_settings: dict[str, Any], max_adapters: int | None) -> dict[str, Any]:
+    """The engine settings with a host cache of at least `max_adapters` adapters, so that the engine
+    never evicts one that Serve's multiplexing counts as loaded: max_cpu_loras is raised to it when
+    not set; ValueError when set lower."""
+    if max_adapters is None:
+        return engine_settings
+    lora = EngineConfig.from_flat(**engine_settings).lora
+    if lora.max_cpu_loras is None:
+        return {**engine_settings, "max_cpu_loras": max(max_adapters, lora.max_loras)}
+    if lora.max_cpu_loras < max_adapters:
+        raise ValueError(
+            f"max_num_adapters_per_replica ({max_adapters}) must be at most the engine's max_cpu_loras "
+            f"({lora.max_cpu_loras}), which holds every adapter a replica keeps"
+        )
+    return engine_settings
 
 
 def parse_app_models(args: Mapping[str, Any]) -> list[ServeAppSettings]:
@@ -278,8 +339,14 @@ def parse_app_models(args: Mapping[str, Any]) -> list[ServeAppSettings]:
             models.append(parse_app_args({**shared, **entry, "ingress": "separate"}))
         except ValueError as exc:
             raise ValueError(f"{MODELS_KEY}[{index}]: {exc}") from None
-    names = [name for model in models for name in model.server.served_model_names]
+    names = [
+        name
+        for model in models
+        for name in [*model.server.served_model_names, *(module.name for module in model.server.lora.modules)]
+    ]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
-        raise ValueError(f"served model name(s) {', '.join(map(repr, repeated))} name more than one model")
+        raise ValueError(
+            f"served model name(s) {', '.join(map(repr, repeated))} name more than one model or adapter"
+        )
     return models

@@ -27,6 +27,7 @@ import psutil
 import ray
 from ray import serve
 
+from cluster.engine_args import engine_settings_from_args
 from cluster.openai.api_server import add_server_args
 from cluster.serve.args import parse_app_args
 from cluster.serve.local_cluster import DEFAULT_CLUSTER_NICENESS, set_cluster_priorities
@@ -154,6 +155,18 @@ def add_parser_args(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds a health check may take before it fails (default: 30)",
     )
+    group.add_argument(
+        "--dynamic-lora-loading-path",
+        metavar="FOLDER",
+        help="a folder of PEFT adapter folders (needs --enable-lora): a request for "
+        "'<served model name>:<adapter>' runs <FOLDER>/<adapter>, loaded by a replica on first use",
+    )
+    group.add_argument(
+        "--max-num-adapters-per-replica",
+        type=int,
+        help="LoRA adapters one LLMServer replica holds at most, evicting its least recently used one "
+        "(default: the engine's --max-cpu-loras, else --max-loras)",
+    )
 
 
 def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[str, Any]:
@@ -187,12 +200,17 @@ def app_args(args: argparse.Namespace, engine_settings: dict[str, Any]) -> dict[
         "failover_timeout_s": args.failover_timeout_s,
         "health_check_period_s": args.health_check_period_s,
         "health_check_timeout_s": args.health_check_timeout_s,
+        "lora_modules": args.lora_modules,
+        "dynamic_lora_loading_path": args.dynamic_lora_loading_path,
+        "max_num_adapters_per_replica": args.max_num_adapters_per_replica,
+        "allow_runtime_lora_updating": args.allow_runtime_lora_updating,
     }
 
 
 def check_args(args: argparse.Namespace) -> None:
     """ValueError on a bad flag, before any cluster is started."""
-    parse_app_args(app_args(args, {}))
+    # With the engine flags: the LoRA flags need --enable-lora.
+    parse_app_args(app_args(args, engine_settings_from_args(args)))
     cluster_env(args)
 
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -25,8 +25,11 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from cluster.metrics import lora_request_counter
 from cluster.openai.app import ServerSettings, build_app
+from cluster.openai.engine_client import EngineClient
 from cluster.openai.model_handlers import ServedModel
+from cluster.openai.serving_models import LoRASources
 from cluster.serve.failover import FailoverMetrics, FailoverSettings, NotResumableError, StreamProgress
 from cluster.serve.llm_server import EngineState
 from engine.config import EngineConfig
@@ -34,6 +37,7 @@ from engine.exceptions import EngineDeadError
 from engine.frontend.detokenizer import backend_tokenizer
 from engine.frontend.input_processor import PromptType
 from engine.frontend.llm_engine import build_front_end
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -77,10 +81,12 @@ class DeploymentEngineClient:
         sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs from an LLMServer replica; closing this early cancels the remote
-        generator, which aborts the request there and frees its blocks. When the replica fails,
-        the request continues on another (with failover on), or ends with EngineDeadError."""
+        """The request's outputs from an LLMServer replica (one holding its adapter, if it has one);
+        closing this early cancels the remote generator, which aborts the request there and frees its
+        blocks. When the replica fails, the request continues on another (with failover on), or ends
+        with EngineDeadError."""
         progress = StreamProgress(request_id, prompt, sampling_params, self._detokenizer_tokenizer)
         attempt_prompt, attempt_params, attempt_id = prompt, sampling_params, request_id
         loop = asyncio.get_running_loop()
@@ -88,7 +94,7 @@ class DeploymentEngineClient:
         for attempt in itertools.count(1):
             try:
                 replica_stream = self._replica_stream(
-                    attempt_prompt, attempt_params, attempt_id, priority, deadline
+                    attempt_prompt, attempt_params, attempt_id, priority, lora_request, deadline
                 )
                 # aclosing: leaving early (the client gone, a stop string found here) cancels the remote call.
                 async with contextlib.aclosing(replica_stream) as outputs:
@@ -130,12 +136,13 @@ class DeploymentEngineClient:
         sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int,
+        lora_request: LoRARequest | None,
         deadline: float | None,
     ) -> AsyncIterator[RequestOutput]:
         """One replica's outputs for the request; TimeoutError when its first batch has not come by
         `deadline` (loop time; None: no limit), the engine's error when the call fails."""
-        stream = self._handle.options(stream=True).generate.remote(
-            prompt, sampling_params, request_id, priority
+        stream = self._adapter_handle(lora_request, stream=True).generate.remote(
+            prompt, sampling_params, request_id, priority, lora_request
         )
         finished = False
         try:
@@ -158,6 +165,30 @@ class DeploymentEngineClient:
         finally:
             if not finished:
                 stream.cancel()
+
+    def _adapter_handle(self, lora_request: LoRARequest | None, **options: Any) -> DeploymentHandle:
+        """The handle for a call that runs with `lora_request`: its name is the Serve multiplexed model
+        id, which the router matches against the adapters each replica holds."""
+        if lora_request is not None:
+            options["multiplexed_model_id"] = lora_request.lora_name
+        return self._handle.options(**options)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load the adapter on one replica (which checks it: ValueError naming the adapter and the
+        field when it is bad); the others load it when a request for it reaches them."""
+        try:
+            return await self._adapter_handle(lora_request).add_lora.remote(lora_request)
+        except Exception as exc:
+            raise engine_error(exc) from None
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Nothing to do on the replicas, which number their adapters themselves: once no request
+        names the adapter, each replica evicts it as its least recently used."""
+        return True
+
+    async def list_loras(self) -> list[int]:
+        """The adapter ids of the replica the handle picks (each replica holds its own)."""
+        return await self._call_replica("list_loras")
 
     async def check_health(self) -> None:
         await self._call_replica("check_health")
@@ -200,23 +231,26 @@ class ReplicaMetrics:
     """Stands in for the app's `PrometheusStatLogger`: /metrics shows the metrics an LLMServer
     replica's engine records (request counts, latency histograms, gauges), as last polled. With
     several replicas each poll reaches one of them; with several models, one replica of each, their
-    series told apart by the model_name label. The ingress's own failover counters follow them."""
+    series told apart by the model_name label. The ingress's own counters join them: failovers, and
+    the requests run with each LoRA adapter (over every replica)."""
 
     def __init__(self, clients: list[DeploymentEngineClient], ingress_registry: CollectorRegistry) -> None:
         self._clients = clients
         self._ingress_registry = ingress_registry
+        # Counted here, over every replica: the ingress sends each request.
+        self._lora_requests = lora_request_counter(ingress_registry)
 
-    def update_scheduler_stats(self, stats: dict[str, Any]) -> None:
-        """Nothing to do: the replica's engine keeps its gauges current itself."""
+    async def refresh(self, engine: EngineClient) -> None:
+        """Nothing to do: each replica refreshes its metrics when polled."""
+
+    def count_lora_requests(self, model_name: str, lora_name: str, count: int) -> None:
+        self._lora_requests.labels(model_name, lora_name).inc(count)
 
     def render(self) -> bytes:
-        replicas = (
-            self._clients[0].metrics
-            if len(self._clients) == 1
-            else merge_prometheus_texts([client.metrics for client in self._clients])
-        )
-        # Families of their own (raypage:failover_*), so the two texts simply follow each other.
-        return replicas + generate_latest(self._ingress_registry)
+        # Merged, not joined: the ingress's counts (failover, requests per adapter) and the replicas'
+        # texts may share a family (the replicas declare raypage:lora_adapter_requests too).
+        ingress = generate_latest(self._ingress_registry)
+        return merge_prometheus_texts([*(client.metrics for client in self._clients), ingress])
 
 
 class _Families:
@@ -257,39 +291,43 @@ def engine_error(exc: Exception) -> Exception:
 class OpenAIIngress:
     """The HTTP front door: OpenAI's routes, /health, /metrics, /tokenize, over the LLMServer
     deployment of each model: `models` holds (its handle, its flat engine settings, its served names),
-    the first being the model a request that names none gets. `failover` says whether (and how long
-    for) a request whose replica fails is resumed on another."""
+    the first being the model a request that names none gets, and `adapters` where each model's LoRA
+    adapters come from (none: no model has any). `failover` says whether (and how long for) a request
+    whose replica fails is resumed on another."""
 
     def __init__(
         self,
         models: list[tuple[DeploymentHandle, dict[str, Any], list[str]]],
         settings: ServerSettings,
         failover: FailoverSettings,
+        adapters: Sequence[LoRASources] = (),
     ) -> None:
         self._registry = CollectorRegistry()
         counters = FailoverMetrics(self._registry, [names[0] for _, _, names in models])
-        self._models = [
-            (
-                DeploymentEngineClient(
-                    handle, engine_settings, failover, (counters.resumed[names[0]], counters.failed[names[0]])
-                ),
-                names,
+        self._clients = [
+            DeploymentEngineClient(
+                handle, engine_settings, failover, (counters.resumed[names[0]], counters.failed[names[0]])
             )
             for handle, engine_settings, names in models
+        ]
+        self._models = [
+            ServedModel(client, names, lora)
+            for client, (_, _, names), lora in zip(
+                self._clients, models, adapters or [LoRASources()] * len(models), strict=True
+            )
         ]
         self._settings = settings
         self._poll_tasks: list[asyncio.Task] = []
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         # Serve calls this on the replica's event loop once the constructor has run.
-        clients = [client for client, _ in self._models]
-        self._poll_tasks = [asyncio.create_task(c.poll_state(STATE_POLL_INTERVAL_S)) for c in clients]
-        (first, _), *others = self._models
+        self._poll_tasks = [asyncio.create_task(c.poll_state(STATE_POLL_INTERVAL_S)) for c in self._clients]
+        first, *others = self._models
         return build_app(
-            first,
+            first.engine,
             self._settings,
-            prometheus=ReplicaMetrics(clients, self._registry),
-            other_models=[ServedModel(client, names) for client, names in others],
+            prometheus=ReplicaMetrics(self._clients, self._registry),
+            other_models=others,
         )
 
     def __del__(self) -> None:

@@ -24,12 +24,14 @@ from ray import serve
 
 from cluster.metrics import LoggingStatLogger, PrometheusStatLogger
 from cluster.openai.app import ServerSettings, build_app, log_stats_periodically
+from cluster.serve.adapters import ReplicaAdapters
 from cluster.serve.niceness import set_niceness
 from cluster.serve.routing import routing_stats
 from engine.config import EngineConfig
 from engine.config_resolve import resolve_engine_config
 from engine.frontend.async_llm_engine import AsyncLLMEngine
 from engine.frontend.input_processor import PromptType
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -52,6 +54,7 @@ class EngineReplica:
         settings: ServerSettings,
         stream_batch_interval_s: float = 0.0,
         niceness: int | None = None,
+        max_adapters: int = 1,
     ) -> None:
         self._settings = settings
         self._stream_batch_interval_s = stream_batch_interval_s
@@ -66,6 +69,8 @@ class EngineReplica:
         log_stats = LoggingStatLogger()
         # Blocks this replica's event loop until the engine is ready: it has nothing to serve before.
         self.engine = AsyncLLMEngine.from_config(config, stat_loggers=[self._prometheus, log_stats])
+        # The adapters the separate ingress's requests name (the engine-ingress app keeps its own).
+        self._adapters = ReplicaAdapters(self.engine, max_adapters)
         self._log_task: asyncio.Task | None = None
         if settings.log_stats_interval > 0:
             self._log_task = asyncio.create_task(
@@ -73,18 +78,25 @@ class EngineReplica:
             )
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[list[RequestOutput]]:
         """The request's outputs, in batches: the first alone, then those produced within each
         stream-batch interval together, so that a streamed token is not one Ray message of its own
         per hop (each costs CPU that the forward pass needs). When the caller stops listening (a
         closed stream, a cancelled request, a client disconnect) Serve cancels this generator, which
-        aborts the request."""
+        aborts the request. An adapter (`lora_request`) is loaded on this replica first if need be."""
+        if lora_request is not None:
+            lora_request = await self._adapters.local(lora_request)
         batch: list[RequestOutput] = []
         flush_at = 0.0  # the first output goes out at once
         # aclosing: the engine's stream is closed (and the request aborted) at once, not at collection.
         async with contextlib.aclosing(
-            self.engine.generate(prompt, sampling_params, request_id, priority)
+            self.engine.generate(prompt, sampling_params, request_id, priority, lora_request=lora_request)
         ) as outputs:
             async for output in outputs:
                 batch.append(output)
@@ -102,9 +114,22 @@ class EngineReplica:
         """Forget this replica's cached prefixes; False while a request holds KV blocks."""
         return await self.engine.reset_prefix_cache()
 
-    def get_state(self) -> EngineState:
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter on this replica (the ingress's runtime load, which checks it here);
+        ValueError naming the adapter and the field when it is bad."""
+        await self._adapters.local(lora_request)
+        return True
+
+    async def list_loras(self) -> list[int]:
+        """The ids of the adapters this replica's engine holds."""
+        return await self.engine.list_loras()
+
+    async def get_state(self) -> EngineState:
         errored = self.engine.errored
-        stats = None if errored else self.engine.get_stats()
+        stats = None
+        if not errored:
+            await self._prometheus.refresh(self.engine)
+            stats = self.engine.get_stats()
         return EngineState(errored=errored, stats=stats, metrics=self._prometheus.render())
 
     def __del__(self) -> None:
@@ -137,7 +162,7 @@ class RoutedEngineReplica(EngineReplica):
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's routing-stats hook, called every routing_stats_period_s."""
         summary = await self.engine.prefix_cache_summary()
-        return routing_stats(summary, self.engine.get_stats())
+        return routing_stats(summary, self.engine.get_stats(), await self._adapters.names())
 
 
 LLMServer = serve.deployment(name="LLMServer")(serve.ingress()(OpenAIEngineReplica))

@@ -17,6 +17,14 @@ The prompt reaches the router as the first argument of `LLMServer.generate`: the
 `cache_salt` if it has one. Both routers salt their keys with it as the engine salts its block
 hashes, so that a salted prompt is routed to where that tenant's prefix is cached, never to where
 the same text is cached under another salt (or none).
+
+LoRA adapter affinity comes first: a request's adapter is its Serve multiplexed model id, and it goes
+to a replica that holds the adapter (as Serve's multiplexing reports, as the replica's routing stats
+report, or as this router sent it there lately) unless every such replica's load exceeds the least
+loaded one's by more than `load_margin`; only then is the adapter loaded on another replica, the
+least loaded, among equals the one holding fewest adapters. Among the replicas holding it, the
+prefix rule above picks. An adapter's KV blocks are not the base model's, so its name salts the
+prompt's keys too.
 """
 
 from __future__ import annotations
@@ -37,19 +45,24 @@ ROUTING_POLICIES = (KV_AWARE, PREFIX_TEXT, POW2)
 TEXT_CHUNK_CHARS = 64
 # Most text chunks prefix_text remembers per replica (the oldest go first).
 MAX_REMEMBERED_CHUNKS = 100_000
-# Requests by which the replica holding a prompt's prefix may be busier than the least-loaded one
-# and still get the prompt.
+# Requests by which the replica holding a prompt's prefix (or its adapter) may be busier than the
+# least-loaded one and still get the prompt.
 DEFAULT_LOAD_MARGIN = 8.0
+# Seconds an adapter routed to a replica counts as held there: until Serve's multiplexing reports it
+# (pushed every 0.1 s, then broadcast to the routers).
+ADAPTER_ROUTE_MEMORY_S = 10.0
 
 
-def routing_stats(summary: bytes, stats: Mapping[str, Any]) -> dict[str, Any]:
-    """What a replica reports to the kv_aware router: its prefix cache's block hashes
-    (`BlockPool.cached_hash_summary`) and its load (the scheduler's counters)."""
+def routing_stats(summary: bytes, stats: Mapping[str, Any], adapters: Sequence[str] = ()) -> dict[str, Any]:
+    """What a replica reports to the routers: its prefix cache's block hashes
+    (`BlockPool.cached_hash_summary`), its load (the scheduler's counters), and the LoRA adapters
+    its engine holds."""
     return {
         "cached_blocks": summary,
         "running": stats.get("num_running_reqs", 0),
         "waiting": stats.get("num_waiting_reqs", 0),
         "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+        "adapters": list(adapters),
     }
 
 
@@ -59,6 +72,31 @@ def routed_prompt(pending_request: PendingRequest | None) -> Mapping[str, Any] |
         return None
     prompt = pending_request.args[0]
     return prompt if isinstance(prompt, Mapping) else None
+
+
+def routed_adapter(pending_request: PendingRequest | None) -> str | None:
+    """The LoRA adapter a request runs with (its multiplexed model id), None for the base model."""
+    if pending_request is None:
+        return None
+    return pending_request.metadata.multiplexed_model_id or None
+
+
+def with_adapter_salt(prompt: Mapping[str, Any], adapter: str | None) -> Mapping[str, Any]:
+    """The prompt as the router keys it: an adapter's blocks are salted with its name, beside the
+    request's cache salt, so that they never match the base model's (nor another adapter's)."""
+    if adapter is None:
+        return prompt
+    return {**prompt, "cache_salt": f"{prompt.get('cache_salt') or ''}\0lora:{adapter}"}
+
+
+def affine_replicas(
+    holding: Collection[ReplicaID], loads: Mapping[ReplicaID, float], margin: float
+) -> list[ReplicaID]:
+    """Those of the replicas `holding` a request's adapter whose load is within `margin` of the
+    lowest of all `loads`: where the request may go without loading its adapter again (none: every
+    holder is too busy, and the adapter is loaded elsewhere)."""
+    lowest = min(loads.values())
+    return [replica for replica in holding if loads[replica] - lowest <= margin]
 
 
 def prefix_hits(keys: Sequence[bytes], held: Container[bytes]) -> int:
@@ -141,6 +179,8 @@ class PrefixAffinityRouter(RequestRouter):
         self._block_size = block_size
         self._routed: dict[ReplicaID, _RecentKeys] = {}
         self._in_flight: dict[ReplicaID, int] = {}
+        # When this router last sent each adapter to each replica.
+        self._adapter_routes: dict[ReplicaID, dict[str, float]] = {}
 
     @abstractmethod
     def prompt_keys(self, prompt: Mapping[str, Any]) -> list[bytes]:
@@ -156,25 +196,40 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_load = sorted(candidate_replicas, key=self._load)
-        prompt = routed_prompt(pending_request)
-        if len(candidate_replicas) == 1 or prompt is None:
+        prompt, adapter = routed_prompt(pending_request), routed_adapter(pending_request)
+        if len(candidate_replicas) == 1 or (prompt is None and adapter is None):
             return [by_load]
-        keys = self.prompt_keys(prompt)
-        hits = {
-            replica.replica_id: prefix_hits(
-                keys, _HeldBy(self.reported(replica), self._recent(replica.replica_id))
-            )
-            for replica in candidate_replicas
-        }
         loads = {replica.replica_id: self._load(replica) for replica in candidate_replicas}
+        eligible = candidate_replicas
+        # Prefix routing spreads new prefixes over the emptiest caches; a new adapter goes to the
+        # replica holding fewest adapters instead.
         occupancy = {
             replica.replica_id: len(self.reported(replica)) + len(self._recent(replica.replica_id))
             for replica in candidate_replicas
         }
-        chosen = choose_by_prefix(hits, loads, self._load_margin, occupancy)
+        if adapter is not None:
+            adapters = {replica.replica_id: self._adapters_of(replica) for replica in candidate_replicas}
+            holding = [replica_id for replica_id, held in adapters.items() if adapter in held]
+            affine = set(affine_replicas(holding, loads, self._load_margin))
+            if affine:
+                eligible = [replica for replica in candidate_replicas if replica.replica_id in affine]
+            else:
+                occupancy = {replica_id: len(held) for replica_id, held in adapters.items()}
+        keys = self.prompt_keys(with_adapter_salt(prompt, adapter)) if prompt is not None else []
+        hits = {
+            replica.replica_id: prefix_hits(
+                keys, _HeldBy(self.reported(replica), self._recent(replica.replica_id))
+            )
+            for replica in eligible
+        }
+        chosen = choose_by_prefix(
+            hits, {replica_id: loads[replica_id] for replica_id in hits}, self._load_margin, occupancy
+        )
         # Its blocks will be there once prefilled, before the replica's next report says so. (Serve's
         # on_request_routed hook only fires with strict max_ongoing_requests.)
         self._recent(chosen).add(keys)
+        if adapter is not None:
+            self._adapter_routes.setdefault(chosen, {})[adapter] = time.monotonic()
         # The chosen replica first; should it be full, Serve tries the others, least loaded first.
         return [[self._replicas[chosen]], [r for r in by_load if r.replica_id != chosen]]
 
@@ -189,7 +244,7 @@ class PrefixAffinityRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         current = {replica.replica_id for replica in replicas}
-        for state in (self._routed, self._in_flight):
+        for state in (self._routed, self._in_flight, self._adapter_routes):
             for replica_id in set(state) - current:
                 del state[replica_id]
 
@@ -197,6 +252,20 @@ class PrefixAffinityRouter(RequestRouter):
         if replica_id not in self._routed:
             self._routed[replica_id] = _RecentKeys(self.routed_memory_s)
         return self._routed[replica_id]
+
+    def _adapters_of(self, replica: RunningReplica) -> set[str]:
+        """The adapters the replica holds: those Serve's multiplexing reports (loaded or loading),
+        those its engine reported in its routing stats, and those sent to it lately that no report
+        shows yet. Once a report shows one, the reports alone say whether it is still there (an
+        evicted adapter must not draw requests back)."""
+        now = time.monotonic()
+        reported = set(replica.multiplexed_model_ids) | set((replica.routing_stats or {}).get("adapters", ()))
+        routes = self._adapter_routes.get(replica.replica_id, {})
+        for adapter in [
+            name for name, at in routes.items() if name in reported or now - at >= ADAPTER_ROUTE_MEMORY_S
+        ]:
+            del routes[adapter]
+        return reported | set(routes)
 
     def _load(self, replica: RunningReplica) -> float:
         """Requests on the replica: those in flight from here, plus those it last reported waiting

@@ -24,6 +24,7 @@ from engine.frontend.input_processor import PromptType
 from engine.frontend.llm_engine import build_front_end
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.stats import FinishedRequestStats, IterationStats, StatLogger
+from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreOutputs, RequestOutput, SchedulerStats
 from engine.process.core_client import DEFAULT_READY_TIMEOUT_S, EngineCoreClient
 from engine.sampling_params import BeamSearchParams, SamplingParams
@@ -80,6 +81,7 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs, per `sampling_params.output_kind`; the last has finished=True.
 
@@ -87,7 +89,7 @@ class AsyncLLMEngine:
         dead engine raises EngineDeadError. Cancelling the consuming task or closing the iterator
         before the end aborts the request.
         """
-        queue = self._add_request(prompt, sampling_params, request_id, priority)
+        queue = self._add_request(prompt, sampling_params, request_id, priority, lora_request)
         finished = False
         try:
             while not finished:
@@ -113,6 +115,24 @@ class AsyncLLMEngine:
         """Forget every cached prefix; False (nothing changed) while a request holds KV blocks."""
         self._check_alive()
         return await self.engine_core.reset_prefix_cache_async()
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check a LoRA adapter (ValueError naming it and the field) and read it into the workers'
+        host caches; False if they held it already."""
+        self._check_alive()
+        self.input_processor.check_lora(lora_request)
+        return await self.engine_core.add_lora_async(lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a LoRA adapter from the workers' host caches; False if none held it."""
+        self._check_alive()
+        self.input_processor.forget_lora(lora_int_id)
+        return await self.engine_core.remove_lora_async(lora_int_id)
+
+    async def list_loras(self) -> list[int]:
+        """The ids of the LoRA adapters in the workers' host caches."""
+        self._check_alive()
+        return await self.engine_core.list_loras_async()
 
     async def prefix_cache_summary(self) -> bytes:
         """The prefix cache's block hashes, compact (`BlockPool.cached_hash_summary`): what a Serve
@@ -147,12 +167,15 @@ class AsyncLLMEngine:
         params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int,
+        lora_request: LoRARequest | None,
     ) -> asyncio.Queue[RequestOutput | EngineDeadError]:
         self._check_alive()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._check_admission()
-        request, prompt_text = self.input_processor.process(request_id, prompt, params, priority=priority)
+        request, prompt_text = self.input_processor.process(
+            request_id, prompt, params, priority=priority, lora_request=lora_request
+        )
         self._start_output_handler()
         queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
         self.output_processor.add_request(request, prompt_text)

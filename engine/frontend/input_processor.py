@@ -11,6 +11,8 @@ import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import ResolvedEngineConfig
+from engine.lora.registry import LoRARegistry
+from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreRequest
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.structured.manager import check_structured_outputs
@@ -53,12 +55,14 @@ class InputProcessor:
         extra_eos_token_ids: tuple[int, ...] = (),
         max_logprobs: int = 20,
         max_num_seqs: int = 256,
+        lora_registry: LoRARegistry | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.max_num_seqs = max_num_seqs
+        self.lora_registry = lora_registry
         self.eos_token_id = eos_token_id
         # Further end-of-sequence ids from the generation config stop a request like stop_token_ids.
         self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != eos_token_id)
@@ -78,6 +82,7 @@ class InputProcessor:
             arch.eos_token_ids,
             max_logprobs=config.model.max_logprobs,
             max_num_seqs=config.scheduler.max_num_seqs,
+            lora_registry=LoRARegistry(arch, config.lora),
         )
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -103,6 +108,7 @@ class InputProcessor:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         beam_search = None
         if isinstance(params, BeamSearchParams):
@@ -120,6 +126,8 @@ class InputProcessor:
         cache_salt = prompt_cache_salt(prompt)
         self._check_prompt(token_ids)
         self._check_params(params)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         width = beam_search.beam_width if beam_search else params.num_sequences
         if width > self.max_num_seqs:
             name = "beam_width" if beam_search else ("best_of" if params.best_of else "n")
@@ -138,8 +146,20 @@ class InputProcessor:
             priority=priority,
             beam_search=beam_search,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         return request, text
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raise ValueError, naming the adapter and the field, unless the adapter can run here."""
+        if self.lora_registry is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters")
+        self.lora_registry.check(lora_request)
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """An adapter removed: its id and name may name another one from now on."""
+        if self.lora_registry is not None:
+            self.lora_registry.forget(lora_int_id)
 
     def _check_params(self, params: SamplingParams) -> None:
         """The checks SamplingParams cannot make alone: they need the model's limits."""

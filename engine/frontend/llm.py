@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.frontend.input_processor import PromptType
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.tokenizer import render_chat_prompt
+from engine.lora.request import LoRARequest
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -54,12 +55,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in input order. A prompt is a string or a dict
         (`{"prompt": ...}` or `{"prompt_token_ids": [...]}`), which may hold a `cache_salt`: only
-        prompts with the same salt share prefix-cache blocks."""
+        prompts with the same salt share prefix-cache blocks. `lora_request`: the LoRA adapter of
+        every prompt, or one per prompt (None: the base model)."""
         prompt_list = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
-        return self._run(prompt_list, sampling_params, use_tqdm)
+        return self._run(prompt_list, sampling_params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -69,6 +72,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, rendered with the model's chat template (with
         `tools`, OpenAI's tool definitions, when given)."""
@@ -80,7 +84,7 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self,
@@ -120,6 +124,17 @@ class LLM:
         """Running and waiting requests, KV cache usage and size, preemptions, prefix-cache counters."""
         return self.llm_engine.get_stats()
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check a LoRA adapter and read it into the workers' host caches ahead of its requests."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the LoRA adapters in the workers' host caches."""
+        return self.llm_engine.list_loras()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's name), so that the next requests compute theirs again;
         False, changing nothing, while a request still holds KV blocks."""
@@ -130,9 +145,11 @@ class LLM:
         prompts: list[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[RequestOutput]:
-        params = self._final_only(self._expand_params(sampling_params, len(prompts)))
-        request_ids = self._add_requests(prompts, params)
+        params = self._final_only(self._expand_per_prompt(sampling_params, len(prompts), "sampling_params"))
+        loras = self._expand_per_prompt(lora_request, len(prompts), "lora_request")
+        request_ids = self._add_requests(prompts, params, loras)
         return self._run_engine(request_ids, use_tqdm)
 
     @staticmethod
@@ -149,29 +166,29 @@ class LLM:
         return [converted.get(id(param), param) for param in params]
 
     @staticmethod
-    def _expand_params(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
-    ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * count
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
-        params = list(sampling_params)
-        if len(params) != count:
-            raise ValueError(
-                f"sampling_params: got {len(params)} for {count} prompts; pass one, or one per prompt"
-            )
-        return params
+    def _expand_per_prompt(given: Any, count: int, name: str) -> list[Any]:
+        """`given` for every prompt: one value (None: the default) repeated, or one per prompt."""
+        if given is None and name == "sampling_params":
+            given = SamplingParams()
+        if given is None or isinstance(given, SamplingParams | LoRARequest):
+            return [given] * count
+        values = list(given)
+        if len(values) != count:
+            raise ValueError(f"{name}: got {len(values)} for {count} prompts; pass one, or one per prompt")
+        return values
 
     def _add_requests(
-        self, prompts: list[PromptType], params: list[SamplingParams] | list[BeamSearchParams]
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams] | list[BeamSearchParams],
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[str]:
         """Queue every request, or none: a bad prompt withdraws the ones already queued."""
         request_ids: list[str] = []
         try:
-            for prompt, param in zip(prompts, params, strict=True):
+            for prompt, param, lora in zip(prompts, params, loras or [None] * len(prompts), strict=True):
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, prompt, param)
+                self.llm_engine.add_request(request_id, prompt, param, lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)

@@ -14,6 +14,7 @@ from engine.config_resolve import resolve_engine_config
 from engine.frontend.input_processor import InputProcessor, PromptType
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.tokenizer import load_tokenizer
+from engine.lora.request import LoRARequest
 from engine.models.model_files import ModelSource
 from engine.outputs import RequestOutput
 from engine.process.core_client import EngineCoreClient
@@ -60,12 +61,13 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request, prompt_text = self.input_processor.process(
-            request_id, prompt, params, arrival_time, priority
+            request_id, prompt, params, arrival_time, priority, lora_request
         )
         self.output_processor.add_request(request, prompt_text)
         self.engine_core.add_request(request)
@@ -108,6 +110,21 @@ class LLMEngine:
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """A Worker method's results on every rank, in rank order (vLLM's LLM.collective_rpc)."""
         return self.engine_core.collective_rpc(method, args)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check a LoRA adapter (ValueError naming it and the field) and read it into the workers'
+        host caches; False if they held it already."""
+        self.input_processor.check_lora(lora_request)
+        return self.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a LoRA adapter from the workers' host caches; False if none held it."""
+        self.input_processor.forget_lora(lora_int_id)
+        return self.engine_core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the LoRA adapters in the workers' host caches."""
+        return self.engine_core.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while a request holds KV blocks."""

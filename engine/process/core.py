@@ -8,8 +8,11 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from engine.config import EngineConfig
 from engine.executor.base import Executor
+from engine.lora.request import LoRARequest
 from engine.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -57,6 +60,7 @@ class EngineCore:
             num_cpu_blocks,
             freeing_window(config.model.hf_config.layer_windows),
             config.speculative.speculative_config,
+            config.lora.max_loras if config.lora.enable_lora else None,
         )
         # Steps sent to the workers and not yet turned into outputs, oldest first.
         self.batch_queue: collections.deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = (
@@ -143,6 +147,22 @@ class EngineCore:
     def collective_rpc(self, method: str, args: Sequence[Any] = ()) -> list[Any]:
         """Call a Worker method on every rank (diagnostics: KV cache shapes, forward timings)."""
         return self.executor.collective_rpc(method, tuple(args))
+
+    def add_lora(self, lora: LoRARequest | list[Any]) -> bool:
+        """Read a LoRA adapter into every worker's host cache; False if they held it already.
+        (A LoRARequest arrives from a client process as msgpack's list of its fields.)"""
+        lora = msgspec.convert(lora, LoRARequest)
+        return any(self.executor.collective_rpc("add_lora", (lora,)))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a LoRA adapter from every worker's host cache and its slot; False if no worker held it."""
+        if self.scheduler.lora_slots is not None:
+            self.scheduler.lora_slots.forget(lora_int_id)
+        return any(self.executor.collective_rpc("remove_lora", (lora_int_id,)))
+
+    def list_loras(self) -> list[int]:
+        """The ids of the LoRA adapters in the workers' host caches."""
+        return self.executor.collective_rpc("list_loras")[0]
 
     def check_health(self) -> None:
         """Raises if a worker is gone."""

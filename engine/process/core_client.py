@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from engine.config import ResolvedEngineConfig
 from engine.exceptions import EngineDeadError, EngineStartupError
+from engine.lora.request import LoRARequest
 from engine.outputs import (
     AbortRequests,
     EngineCoreOutputs,
@@ -131,6 +132,27 @@ class EngineCoreClient(abc.ABC):
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """A Worker method's results on every rank, in rank order."""
         return self.call_utility("collective_rpc", method, list(args))
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Read a LoRA adapter into the workers' host caches; False if they held it already."""
+        return self.call_utility("add_lora", lora, result_type=bool)
+
+    async def add_lora_async(self, lora: LoRARequest) -> bool:
+        return await self.call_utility_async("add_lora", lora, result_type=bool)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a LoRA adapter from the workers' host caches; False if none held it."""
+        return self.call_utility("remove_lora", lora_int_id, result_type=bool)
+
+    async def remove_lora_async(self, lora_int_id: int) -> bool:
+        return await self.call_utility_async("remove_lora", lora_int_id, result_type=bool)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the LoRA adapters in the workers' host caches."""
+        return self.call_utility("list_loras", result_type=list[int])
+
+    async def list_loras_async(self) -> list[int]:
+        return await self.call_utility_async("list_loras", result_type=list[int])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while a request holds KV blocks."""

@@ -42,7 +42,16 @@ logger = logging.getLogger(__name__)
 # The EngineCore methods a client may call by name (UtilityRequest), nothing else. collective_rpc
 # reaches Worker methods; the client is this engine's own front end, over a private ipc:// socket.
 UTILITY_METHODS = frozenset(
-    {"get_stats", "check_health", "collective_rpc", "reset_prefix_cache", "prefix_cache_summary"}
+    {
+        "get_stats",
+        "check_health",
+        "collective_rpc",
+        "reset_prefix_cache",
+        "prefix_cache_summary",
+        "add_lora",
+        "remove_lora",
+        "list_loras",
+    }
 )
 # How often an idle core checks that its parent is still alive (a busy one checks every step).
 _PARENT_CHECK_S = 1.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 
+from engine.lora.request import LoRARequest, prefix_cache_salt
 from engine.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.sched.beam_search import Hypothesis
@@ -205,13 +206,16 @@ class Request:
         priority: int = 0,
         beam_search: BeamSearchParams | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.beam_search = beam_search
-        # Salts the hash of the first KV block: only requests with the same salt share cached blocks.
-        self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        # Salts the hash of the first KV block: only requests with the same salt and adapter share
+        # cached blocks.
+        self.cache_salt = prefix_cache_salt(cache_salt, lora_request)
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
@@ -238,6 +242,7 @@ class Request:
             request.priority,
             request.beam_search,
             request.cache_salt,
+            request.lora_request,
         )
 
     @property

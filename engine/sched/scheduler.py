@@ -33,6 +33,7 @@ from engine.outputs import (
 )
 from engine.sched.grammar import GrammarMatcher
 from engine.sched.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, window_blocks
+from engine.sched.lora_slots import LoRASlotTable
 from engine.sched.output_builder import OutputBuilder, SampledBySequence
 from engine.sched.request import Request, RequestStatus, SequenceStatus
 from engine.sched.sequence_groups import SequenceGroups
@@ -64,6 +65,7 @@ class Scheduler:
         num_cpu_blocks: int = 0,
         sliding_window: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -96,6 +98,8 @@ class Scheduler:
             else None
         )
         self._drafting = False  # whether the step being scheduled takes drafts
+        # The workers' LoRA adapter slots (None: LoRA is off).
+        self.lora_slots = LoRASlotTable(max_loras) if max_loras is not None else None
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.swapped: list[Request] = []  # sorted by Request.sort_key
@@ -171,6 +175,8 @@ class Scheduler:
             self._swap_in(plan)
             if not self.swapped:
                 self._admit_waiting(plan)
+        if self.lora_slots is not None:
+            plan.lora_loads = self.lora_slots.assign(request.lora_request for request in self.running)
         return ScheduledStep(
             plan.to_scheduler_output(self.worker_sequences.take_dropped()), plan.finished_outputs
         )
@@ -226,6 +232,11 @@ class Scheduler:
             kv_slots_allocated=(kv.num_blocks - kv.num_free_blocks) * self.block_size,
             kv_logical_blocks=kv.num_logical_blocks(running_seqs),
         )
+        if self.lora_slots is not None:
+            stats.lora = self.lora_slots.stats(
+                (request.lora_request for request in self.running),
+                (request.lora_request for request in self.waiting + self.swapped),
+            )
         return stats if self.speculator is None else self.speculator.add_stats(stats)
 
     # ---- scheduling one request ----------------------------------------------------------------
@@ -353,6 +364,9 @@ class Scheduler:
                 continue
             if self._rows_in_use() + request.max_concurrent_seqs > self.max_num_seqs:
                 break
+            if not self._adapter_fits(request):
+                index += 1  # every slot runs another adapter: requests of those may go first (as in vLLM)
+                continue
             if self._schedule_request(request, plan, may_preempt=False) is None:
                 if not self.running:
                     # The whole cache is free and still too small: it would hold up the queue forever.
@@ -361,6 +375,13 @@ class Scheduler:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.pop(index)
             self._start(request)
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the running requests' LoRA adapters, with this request's, fit the workers' slots."""
+        slots = self.lora_slots
+        return slots is None or slots.fits(
+            (running.lora_request for running in self.running), request.lora_request, slots.max_loras
+        )
 
     def _never_fits(self, request: Request) -> str | None:
         """Why a waiting request can never be admitted (it would hold up everyone behind it), if so."""
@@ -379,8 +400,10 @@ class Scheduler:
         while self.swapped:
             request = self.swapped[0]
             seqs = request.live_seqs
-            if self._rows_in_use() + request.max_concurrent_seqs > self.max_num_seqs or not kv.can_swap_in(
-                seqs
+            if (
+                self._rows_in_use() + request.max_concurrent_seqs > self.max_num_seqs
+                or not self._adapter_fits(request)
+                or not kv.can_swap_in(seqs)
             ):
                 return
             self.swapped.pop(0)

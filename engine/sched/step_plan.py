@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreOutput, NewSequenceData, RunningSequenceDeltas, SchedulerOutput
 from engine.sched.kv_cache_manager import KVCacheManager, SlotAllocation
 from engine.sched.request import Request, Sequence
@@ -32,6 +33,7 @@ class StepPlan:
     # sequences a draft model proposes for after the step.
     drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     draft_seq_ids: list[str] = dataclasses.field(default_factory=list)
+    lora_loads: dict[int, LoRARequest] = dataclasses.field(default_factory=dict)
 
     def to_scheduler_output(self, finished_seq_ids: list[str]) -> SchedulerOutput:
         return SchedulerOutput(
@@ -45,6 +47,7 @@ class StepPlan:
             blocks_to_copy=self.copies,
             scheduled_spec_decode_tokens=self.drafts,
             draft_seq_ids=self.draft_seq_ids,
+            lora_loads=self.lora_loads,
         )
 
 
@@ -110,6 +113,7 @@ def _new_sequence_data(seq: Sequence, block_ids: list[int]) -> NewSequenceData:
         seed=None if params.seed is None else (params.seed + seq.index) % 2**64,  # a uint64 on the wire
         num_logprobs=_num_logprobs(request),
         num_prompt_logprobs=params.prompt_logprobs if seq.index == 0 else None,
+        lora_int_id=0 if request.lora_request is None else request.lora_request.lora_int_id,
     )
 
 

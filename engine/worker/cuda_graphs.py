@@ -61,6 +61,8 @@ def cuda_graphs_disabled_reason(
         return "enforce_eager is set"
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, the device is {device.type}"
+    if config.lora.enable_lora:
+        return "LoRA adapters group each step's rows by adapter on the host"
     if config.parallel.pipeline_parallel_size > 1:
         return "pipeline stages pass tensors between processes from Python, outside any graph"
     if not getattr(backend, "cuda_graph_safe", False):

@@ -45,6 +45,7 @@ class WorkerSequenceState:
     num_prompt_logprobs: int | None
     num_computed_tokens: int
     row: int
+    lora_int_id: int = 0  # its LoRA adapter; 0: the base model
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -94,6 +95,7 @@ class InputBatch:
             num_prompt_logprobs=new.num_prompt_logprobs,
             num_computed_tokens=new.num_computed_tokens,
             row=self._free_rows.pop(),
+            lora_int_id=new.lora_int_id,
         )
         self.seqs[new.seq_id] = state
         self.set_blocks(state, 0, new.block_ids)

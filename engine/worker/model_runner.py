@@ -16,6 +16,7 @@ import torch
 
 from engine.config import ResolvedEngineConfig
 from engine.forward_context import set_forward_context
+from engine.lora.worker_slots import LoRAWorkerSlots
 from engine.models.fused_layers import fuse_decoder_layers
 from engine.models.layers import PagedAttention
 from engine.models.loader import load_model
@@ -39,6 +40,7 @@ from engine.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from engine.worker.draft_rows import AcceptedTokens, SampleRow, accept_drafts, sample_rows
 from engine.worker.input_batch import InputBatch, WorkerSequenceState
 from kernels.attention import AttentionMetadata, get_attention_backend
+from kernels.lora import LoRABatch
 from parallel.pipeline import IntermediateTensors, receive_from_previous_stage, send_to_next_stage
 from parallel.state import get_parallel_state
 
@@ -72,6 +74,7 @@ class ModelRunner:
         # A speculative draft model, on the rank that samples (engine/spec_decode/draft_model.py).
         self.draft: DraftModel | None = None
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs, on CUDA only
+        self.lora: LoRAWorkerSlots | None = None  # the adapter slots, with enable_lora
         # (start, end) perf_counter times of recent forward passes: shows pipeline stages overlapping.
         self.forward_times: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
 
@@ -84,7 +87,14 @@ class ModelRunner:
             self.config.parallel.pipeline_partition,
             self.config.model.quantization,
         )
-        fused = fuse_decoder_layers(self.model, self.attention_backend, self.block_size, self.kv_cache_dtype)
+        if self.config.lora.enable_lora:
+            # Before any fusing: an adapted projection adds its adapters' products after the matmul.
+            self.lora = LoRAWorkerSlots(self.model, self.arch, self.config.lora, self.dtype, self.device)
+        fused = (
+            0
+            if self.lora is not None
+            else fuse_decoder_layers(self.model, self.attention_backend, self.block_size, self.kv_cache_dtype)
+        )
         if fused:
             logger.info("%d decoder layers run as one C++ call each (engine/models/fused_layers.py)", fused)
         speculative = self.config.speculative.speculative_config
@@ -103,7 +113,7 @@ class ModelRunner:
             return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
         order = self._batch_order(num_scheduled)
         input_ids, positions, meta, logits_rows = self._prepare_inputs(order, num_scheduled)
-        hidden = self._forward(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta, self._lora_batch(order, num_scheduled))
         if not get_parallel_state().is_last_stage:
             self._advance(order, num_scheduled)
             return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
@@ -162,8 +172,23 @@ class ModelRunner:
         proposals = self.draft.propose(input_ids, positions, meta, newest, rows)
         return {seq.seq_id: drafts for seq, drafts in zip(proposing, proposals, strict=True)}
 
+    def _lora_batch(self, order: list[str], num_scheduled: dict[str, int]) -> LoRABatch | None:
+        """The step's rows grouped by LoRA adapter slot, where adapters are enabled."""
+        if self.lora is None:
+            return None
+        seqs = self.input_batch.seqs
+        return self.lora.batch(
+            [seqs[seq_id].lora_int_id for seq_id in order],
+            np.array([num_scheduled[seq_id] for seq_id in order], dtype=np.int64),
+            self.device,
+        )
+
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora_batch: LoRABatch | None = None,
     ) -> torch.Tensor:
         """This stage's part of the forward pass: hidden states on the last stage; before it, the
         intermediate tensors are sent on to the next stage (and None is returned)."""
@@ -175,7 +200,7 @@ class ModelRunner:
         start = time.perf_counter()
         hidden = self.decode_graphs.replay(input_ids, positions, meta) if self.decode_graphs else None
         if hidden is None:
-            with set_forward_context(meta, self.kv_caches, self.attention_backend):
+            with set_forward_context(meta, self.kv_caches, self.attention_backend, lora_batch):
                 hidden = self.model(input_ids, positions, intermediate)
         self.forward_times.append((start, time.perf_counter()))
         if isinstance(hidden, IntermediateTensors):
@@ -194,6 +219,8 @@ class ModelRunner:
             batch.remove(seq_id)
         for new in scheduler_output.scheduled_new_seqs:
             batch.add(new)
+        if scheduler_output.lora_loads:
+            self.lora.load_slots(scheduler_output.lora_loads)
         cached = scheduler_output.scheduled_cached_seqs
         for seq_id, new_tokens, table_start, new_blocks, num_computed in zip(
             cached.seq_ids,

@@ -12,6 +12,8 @@ import os
 import torch
 
 from engine.config import ResolvedEngineConfig
+from engine.lora.request import LoRARequest
+from engine.lora.worker_slots import LoRAWorkerSlots
 from engine.outputs import ModelRunnerOutput, PendingBitmask, SchedulerOutput
 from engine.worker.cache_engine import CacheEngine
 from engine.worker.cuda_graphs import cuda_graphs_disabled_reason, graph_memory_estimate
@@ -182,6 +184,23 @@ class Worker:
 
     def kv_cache_shapes(self) -> dict[int, tuple[int, ...]]:
         return {layer: tuple(cache.shape) for layer, cache in self.cache_engine.kv_caches.items()}
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read a LoRA adapter into this worker's host cache; False if it was there already."""
+        return self._lora_slots().add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a LoRA adapter from this worker's host cache; False if it was not there."""
+        return self._lora_slots().remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the LoRA adapters in this worker's host cache, least recently used first."""
+        return self._lora_slots().list_loras()
+
+    def _lora_slots(self) -> LoRAWorkerSlots:
+        if self.model_runner.lora is None:
+            raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora=True")
+        return self.model_runner.lora
 
     def check_health(self) -> None:
         """A worker that can answer is healthy; executors detect the ones that cannot."""

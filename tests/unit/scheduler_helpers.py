@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.lora.request import LoRARequest
 from engine.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -103,6 +104,7 @@ def make_request(
     logprobs: int | None = None,
     min_tokens: int = 0,
     cache_salt: str | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> Request:
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -115,7 +117,14 @@ def make_request(
         logprobs=logprobs,
     )
     return Request(
-        request_id, list(prompt), params, eos_token_id, arrival_time, priority, cache_salt=cache_salt
+        request_id,
+        list(prompt),
+        params,
+        eos_token_id,
+        arrival_time,
+        priority,
+        cache_salt=cache_salt,
+        lora_request=lora_request,
     )
 
 
@@ -151,6 +160,7 @@ def make_scheduler(
     num_cpu_blocks: int = 0,
     preemption_mode: str | None = None,
     sliding_window: int | None = None,
+    max_loras: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -163,6 +173,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         num_cpu_blocks=num_cpu_blocks,
         sliding_window=sliding_window,
+        max_loras=max_loras,
     )
 
 
