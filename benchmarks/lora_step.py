@@ -83,7 +83,9 @@ def summary(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="Hugging Face folder or GGUF file (default: packaged SmolLM2)")
+    parser.add_argument(
+        "--model", default=None, help="Hugging Face folder or GGUF file (default: packaged SmolLM2)"
+    )
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
@@ -116,7 +118,9 @@ def main() -> None:
     for name, values in times.items():
         ratios = [value / reference for value, reference in zip(values, base_times, strict=True)]
         print(f"  {name:<28} {summary(values)}   x{summary(ratios)} of the base engine")
-    print(f"adapter of rank {args.rank}: read from disk {summary(reads)} ms, copied into a slot {summary(copies)} ms")
+    print(
+        f"adapter of rank {args.rank}: read from disk {summary(reads)} ms, copied into a slot {summary(copies)} ms"
+    )
     base.llm_engine.shutdown()
     lora.llm_engine.shutdown()
 
