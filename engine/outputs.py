@@ -321,6 +321,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None
     error: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter it ran with
 
 
 class BeamSearchSequence(msgspec.Struct, kw_only=True):

@@ -99,6 +99,7 @@ class RequestState:
         self.request_id = request.request_id
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
+        self.lora_request = request.lora_request
         self.params = request.sampling_params
         self.beam_search = request.beam_search
         self.tokenizer = tokenizer
@@ -207,6 +208,7 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
             error=self.error,
+            lora_request=self.lora_request,
         )
 
     def abort(self) -> RequestOutput:

@@ -89,6 +89,7 @@ def test_one_batch_mixes_the_base_and_adapters(
     loras = [None if name is None else requests[name] for _ in PROMPTS for name in names]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     got = [list(output.outputs[0].token_ids) for output in outputs]
+    assert [output.lora_request for output in outputs] == loras
     expected = [references[name][index] for index in range(len(PROMPTS)) for name in names]
     assert got == expected
     stats = llm.get_stats()["lora"]
