@@ -52,7 +52,7 @@ class LoRAProjection:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         batch = get_forward_context().lora_batch
-        if batch is not None and batch.token_order.numel():
+        if batch is not None:  # (None: no row of the step runs an adapter)
             add_lora(out, x, self.lora_a, self.lora_b, self.slice_sizes, batch)
 
     def load(self, slot: int, adapter: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:

@@ -173,15 +173,15 @@ class ModelRunner:
         return {seq.seq_id: drafts for seq, drafts in zip(proposing, proposals, strict=True)}
 
     def _lora_batch(self, order: list[str], num_scheduled: dict[str, int]) -> LoRABatch | None:
-        """The step's rows grouped by LoRA adapter slot, where adapters are enabled."""
+        """The step's rows grouped by LoRA adapter slot; None when no row runs an adapter (or
+        adapters are off), so that the projections skip their hooks' work."""
         if self.lora is None:
             return None
-        seqs = self.input_batch.seqs
-        return self.lora.batch(
-            [seqs[seq_id].lora_int_id for seq_id in order],
-            np.array([num_scheduled[seq_id] for seq_id in order], dtype=np.int64),
-            self.device,
-        )
+        lora_ids = [self.input_batch.seqs[seq_id].lora_int_id for seq_id in order]
+        if not any(lora_ids):
+            return None
+        query_lens = np.array([num_scheduled[seq_id] for seq_id in order], dtype=np.int64)
+        return self.lora.batch(lora_ids, query_lens, self.device)
 
     def _forward(
         self,
