@@ -3,16 +3,17 @@ dependencies carried as wheels), runs in a few minutes on one GPU (its time on a
 
 1. every GPU attention backend the selector knows ("triton", "flash_attn") against
    kernels/attention/reference.py at real sizes (Llama-3-8B heads, contexts up to 4k, bf16);
-2. `raypage bench throughput` on two random-weight Llamas written at run time, one of SmolLM2-135M's
-   shape and one of ~1B parameters (random weights run at the speed of real ones: the benchmark
-   ignores end-of-sequence tokens), each eager (--enforce-eager) and with CUDA graphs, reporting
-   output tokens/s and the decode step's achieved HBM bandwidth as a share of the H200's ~4.8 TB/s:
-   bytes a decode step must read (the weights, less the embedding table, plus the batch's KV cache)
-   over its median time;
+2. `raypage bench throughput` on random-weight Llamas written at run time, of SmolLM2-135M's shape,
+   of ~1B and of ~8B parameters (random weights run at the speed of real ones: the benchmark
+   ignores end-of-sequence tokens): eager (--enforce-eager), with CUDA graphs, and with graphs and
+   async scheduling, reporting output tokens/s, the decode step's median time against the time
+   reading its bytes takes at the GPU's peak bandwidth (the weights, less the embedding table, plus
+   the batch's KV cache), and so the share of HBM bandwidth it achieves;
 3. `pytest -m gpu` over the modules that hold CUDA-only tests, last, so that a run cut short by a
    time limit still has the figures.
 
     python -m benchmarks.gpu_check --out results/          # on the GPU machine
+    python -m benchmarks.gpu_check --models llama-1b llama-8b --skip-pytest --out results/
     python -m benchmarks.gpu_check --dry-run --out /tmp/x  # its Python parts on the CPU, tiny
 
 Results: summary.json and summary.md in --out, and the table on stdout. The benchmark runs call the
@@ -34,6 +35,8 @@ from typing import Any
 import torch
 
 H200_HBM_BYTES_PER_S = 4.8e12
+# Peak HBM bandwidth by device name (the first that the name contains); the H200's otherwise.
+PEAK_HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "A100": 2.0e12}
 GPU_BACKENDS = ("triton", "flash_attn")
 
 
@@ -69,6 +72,15 @@ class LlamaShape:
 SMOLLM2_SHAPE = LlamaShape(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3)
 # ~1.2B parameters with SmolLM2's 49152-token vocabulary (Llama-3.2-1B's shape but 16 layers).
 LLAMA_1B = LlamaShape(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8)
+# ~7.7B parameters: Llama-3-8B's shape with SmolLM2's vocabulary.
+LLAMA_8B = LlamaShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8)
+GPU_SHAPES = {"smollm2": SMOLLM2_SHAPE, "llama-1b": LLAMA_1B, "llama-8b": LLAMA_8B}
+# (label, flags) of each engine mode a model runs in.
+MODES = (
+    ("eager", ["--enforce-eager"]),
+    ("graphs", ["--no-enforce-eager"]),
+    ("graphs-async", ["--no-enforce-eager", "--async-scheduling"]),
+)
 LLAMA_TINY = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
 
 
@@ -129,6 +141,13 @@ def decode_step_bytes(arch: Any, dtype_bytes: int, batch: int, mean_context: flo
 
 def hbm_share(bytes_per_step: float, step_s: float, peak: float = H200_HBM_BYTES_PER_S) -> float:
     return bytes_per_step / step_s / peak
+
+
+def peak_hbm_bytes_per_s(device_name: str) -> float:
+    """The peak memory bandwidth of a GPU named `device_name` (torch.cuda.get_device_name)."""
+    return next(
+        (peak for name, peak in PEAK_HBM_BYTES_PER_S.items() if name in device_name), H200_HBM_BYTES_PER_S
+    )
 
 
 # ---- stage 1: attention backends at real sizes -----------------------------------------------
@@ -225,8 +244,11 @@ def bench(label: str, argv: list[str], out: Path, timeout_s: float) -> dict[str,
     }
 
 
-def summarize_bench(results: dict[str, Any], arch: Any, batch: int, mean_context: float) -> dict[str, Any]:
-    """Output tokens/s and, from the median (decode) step time, the HBM bandwidth share."""
+def summarize_bench(
+    results: dict[str, Any], arch: Any, batch: int, mean_context: float, peak: float = H200_HBM_BYTES_PER_S
+) -> dict[str, Any]:
+    """Output tokens/s and, from the median (decode) step time, the time reading the step's bytes
+    takes at the peak bandwidth `peak`, and the HBM bandwidth share."""
     if results.get("status") != "ok":
         return {"status": results.get("status")}
     step_s = results["step_time_median_ms"] / 1000
@@ -238,7 +260,8 @@ def summarize_bench(results: dict[str, Any], arch: Any, batch: int, mean_context
         "output_tokens_per_s": results["output_tokens_per_s"],
         "decode_step_ms": results["step_time_median_ms"],
         "decode_bytes_per_step": step_bytes,
-        "hbm_share": hbm_share(step_bytes, step_s),
+        "read_time_ms": step_bytes / peak * 1000,
+        "hbm_share": hbm_share(step_bytes, step_s, peak),
     }
 
 
@@ -300,6 +323,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=256, help="output tokens (default: 256)")
     parser.add_argument("--skip-pytest", action="store_true", help="leave out stage 3")
     parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(GPU_SHAPES),
+        default=list(GPU_SHAPES),
+        help="random Llamas to benchmark (default: all)",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=[label for label, _ in MODES],
+        default=[label for label, _ in MODES],
+        help="engine modes each model runs in (default: all)",
+    )
+    parser.add_argument(
         "--bench-timeout-s", type=float, default=120.0, help="per benchmark run (default: 120)"
     )
     parser.add_argument("--pytest-timeout-s", type=float, default=180.0, help="for stage 3 (default: 180)")
@@ -317,9 +354,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.num_prompts, args.input_len, args.output_len = min(args.num_prompts, 4), 16, 8
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = peak_hbm_bytes_per_s(device_name)
     summary: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name,
+        "peak_hbm_bytes_per_s": peak,
         "torch": torch.__version__,
         "workload": {
             "num_prompts": args.num_prompts,
@@ -331,11 +371,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = GPU_BACKENDS if device.type == "cuda" else ("sdpa", *GPU_BACKENDS)
     summary["backends"] = check_backends(names, device, real_sizes=not args.dry_run)
     save_summary(summary, args.out, started)
-    # The dry run checks the script on one tiny model; the GPU run measures both shapes.
-    shapes = {"llama-tiny": LLAMA_TINY} if args.dry_run else {"smollm2": SMOLLM2_SHAPE, "llama-1b": LLAMA_1B}
-    models = {
-        label: str(write_random_llama(args.out / label, shape, device)) for label, shape in shapes.items()
-    }
+    # The dry run checks the script on one tiny model; the GPU run measures the shapes asked for.
+    shapes = (
+        {"llama-tiny": LLAMA_TINY} if args.dry_run else {label: GPU_SHAPES[label] for label in args.models}
+    )
     workload = [
         "--num-prompts",
         str(args.num_prompts),
@@ -350,16 +389,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Mean context of a decode step: the prompt plus half the output, on average over the run.
     mean_context = args.input_len + args.output_len / 2
     summary["bench"] = {}
-    for label, model in models.items():
+    for label, shape in shapes.items():
+        # Written just before its runs, so that a run cut short has the smaller models' figures.
+        model = str(write_random_llama(args.out / label, shape, device))
         arch = read_arch_config(resolve_model_source(model))
-        for mode, flags in (("eager", ["--enforce-eager"]), ("graphs", ["--no-enforce-eager"])):
+        for mode, flags in MODES:
+            if mode not in args.modes:
+                continue
             run = bench(
                 f"{label}-{mode}",
                 [*workload, *engine, "--model", model, *flags],
                 args.out,
                 args.bench_timeout_s,
             )
-            summary["bench"][f"{label}-{mode}"] = summarize_bench(run, arch, args.num_prompts, mean_context)
+            summary["bench"][f"{label}-{mode}"] = summarize_bench(
+                run, arch, args.num_prompts, mean_context, peak
+            )
             save_summary(summary, args.out, started)
     # The tests last: the figures above come back even when the tests overrun the machine's time.
     if not (args.dry_run or args.skip_pytest):
@@ -389,17 +434,19 @@ def markdown_table(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {result['status']} | {result.get('max_abs_error', result.get('reason', ''))} |"
         )
+    peak_tb_s = summary.get("peak_hbm_bytes_per_s", H200_HBM_BYTES_PER_S) / 1e12
     lines += [
         "",
-        "| run | output tok/s | decode step (ms) | HBM share of 4.8 TB/s |",
-        "| --- | --- | --- | --- |",
+        f"| run | output tok/s | decode step (ms) | its bytes at {peak_tb_s:.2f} TB/s (ms) | HBM share |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for label, result in summary.get("bench", {}).items():
         if result["status"] != "ok":
-            lines.append(f"| {label} | {result['status']} | | |")
+            lines.append(f"| {label} | {result['status']} | | | |")
             continue
         lines.append(
-            f"| {label} | {result['output_tokens_per_s']:.0f} | {result['decode_step_ms']:.2f} | {result['hbm_share']:.1%} |"
+            f"| {label} | {result['output_tokens_per_s']:.0f} | {result['decode_step_ms']:.2f} "
+            f"| {result['read_time_ms']:.2f} | {result['hbm_share']:.1%} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -138,6 +138,12 @@ class SchedulerConfig(_Section):
         description="How to evict a running request when blocks run out; None: recompute a single "
         "sequence, swap a group of sequences (parallel sampling, beam search) to the CPU",
     )
+    async_scheduling: bool = Field(
+        False,
+        description="Schedule the next step while the current one runs, its sampled tokens "
+        "placeholders the workers fill in (stops take effect one step late, as in vLLM); requests "
+        "with beam search or a grammar, and speculative decoding, run in plain steps",
+    )
     max_waiting_requests: int | None = Field(
         None,
         ge=-1,

@@ -5,13 +5,16 @@ every attention layer then calls `get_forward_context()` to find the batch layou
 KV cache (by layer index) and the attention backend, and a projection with LoRA adapters finds which
 rows run which adapter. This keeps model code as
 `forward(input_ids, positions)` and is the only process-wide mutable state in the engine: it is set
-for exactly the duration of one forward pass and cleared afterwards.
+for exactly the duration of one forward pass and cleared afterwards, per thread (with async
+scheduling an in-process worker runs on a thread of its own, beside any other engine's forward
+passes in the same process).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -31,13 +34,18 @@ class ForwardContext:
     lora_batch: LoRABatch | None = None
 
 
-_current: ForwardContext | None = None
+class _State(threading.local):
+    current: ForwardContext | None = None
+
+
+_state = _State()
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    current = _state.current
+    if current is None:
         raise RuntimeError("attention ran outside set_forward_context(): no batch metadata is set")
-    return _current
+    return current
 
 
 @contextlib.contextmanager
@@ -47,10 +55,9 @@ def set_forward_context(
     attention_backend: AttentionBackend,
     lora_batch: LoRABatch | None = None,
 ) -> Iterator[ForwardContext]:
-    global _current
-    previous = _current
-    _current = ForwardContext(attn_metadata, kv_caches, attention_backend, lora_batch)
+    previous = _state.current
+    _state.current = ForwardContext(attn_metadata, kv_caches, attention_backend, lora_batch)
     try:
-        yield _current
+        yield _state.current
     finally:
-        _current = previous
+        _state.current = previous

@@ -61,12 +61,18 @@ class EngineCore:
             freeing_window(config.model.hf_config.layer_windows),
             config.speculative.speculative_config,
             config.lora.max_loras if config.lora.enable_lora else None,
+            # With pipeline stages the batch queue already overlaps scheduling with the forward pass
+            # (one batch per stage, disjoint requests); placeholders would need the last stage's
+            # tokens on the first before the next step's inputs, so they are for one stage only.
+            config.scheduler.async_scheduling and config.parallel.pipeline_parallel_size == 1,
         )
         # Steps sent to the workers and not yet turned into outputs, oldest first.
         self.batch_queue: collections.deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = (
             collections.deque()
         )
-        self.max_batches_in_flight = config.parallel.pipeline_parallel_size
+        self.pipeline_stages = config.parallel.pipeline_parallel_size
+        # Async scheduling keeps the next step queued behind the one running.
+        self.max_batches_in_flight = self.pipeline_stages + int(self.scheduler.async_scheduling)
         self.structured_outputs = StructuredOutputManager(config.model)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -87,13 +93,17 @@ class EngineCore:
         """Schedule, run the model, and turn sampled tokens into per-request outputs.
 
         With pipeline stages, up to pipeline_parallel_size steps are in flight at once (the batch
-        queue), so that every stage has work: a call then returns the outputs of the oldest step
-        once it is done, or none while it only filled the pipeline. Requests that scheduling
-        finished without running them (ignored, or never fitting) are reported by the call that
-        scheduled them, first.
+        queue), so that every stage has work; with async scheduling one more, the next step planned
+        while the current one runs. A call then returns the outputs of the oldest step once it is
+        done, or none while it only filled the queue. Requests that scheduling finished without
+        running them (ignored, or never fitting) are reported by the call that scheduled them, first.
         """
         finished_outputs: list[EngineCoreOutput] = []
-        if len(self.batch_queue) < self.max_batches_in_flight and self.scheduler.has_unfinished_requests():
+        if (
+            len(self.batch_queue) < self.max_batches_in_flight
+            and self.scheduler.has_unfinished_requests()
+            and (not self.batch_queue or self._may_schedule_ahead())
+        ):
             scheduled = self.scheduler.schedule()
             finished_outputs = scheduled.finished_outputs
             scheduler_output = scheduled.scheduler_output
@@ -108,7 +118,7 @@ class EngineCore:
                 self.batch_queue.append(
                     (scheduler_output, self.executor.execute_model_async(scheduler_output, masks))
                 )
-                if len(self.batch_queue) < self.max_batches_in_flight:
+                if len(self.batch_queue) < self.max_batches_in_flight and self._may_schedule_ahead():
                     return EngineCoreOutputs(outputs=finished_outputs, scheduler_stats=self.make_stats())
         if not self.batch_queue:
             self._wait_for_grammars()
@@ -119,6 +129,12 @@ class EngineCore:
         if result.scheduler_stats is not None:
             self.structured_outputs.add_stats(result.scheduler_stats)
         return result
+
+    def _may_schedule_ahead(self) -> bool:
+        """Whether a step may be scheduled while others are in flight: always between pipeline
+        stages (their batches hold disjoint requests), with async scheduling when every running
+        request can run on placeholders."""
+        return self.pipeline_stages > 1 or self.scheduler.may_schedule_ahead()
 
     def make_stats(self) -> SchedulerStats:
         return self.structured_outputs.add_stats(self.scheduler.make_stats())

@@ -87,6 +87,9 @@ class Sequence:
         self.output_token_ids: list[int] = list(output_token_ids or [])
         self.all_token_ids: list[int] = [*request.prompt_token_ids, *self.output_token_ids]
         self.num_computed_tokens = 0
+        # Tokens it samples in steps still in flight (async scheduling): the steps scheduled after
+        # them compute these placeholders, whose values the workers fill in from their own samples.
+        self.num_pending_tokens = 0
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
@@ -116,6 +119,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def pending_reach_limit(self, max_seq_len: int) -> bool:
+        """Whether the tokens in flight already take it to its length limit or max_tokens: the last
+        of them may be its last, so nothing is scheduled after it until it is known."""
+        if not self.num_pending_tokens:
+            return False
+        max_tokens = self.request.sampling_params.max_tokens
+        return self.num_tokens + self.num_pending_tokens >= max_seq_len or (
+            max_tokens is not None and self.num_output_tokens + self.num_pending_tokens >= max_tokens
+        )
 
     def append_output_token(self, token_id: int, logprob: float | None = None) -> None:
         self.output_token_ids.append(token_id)
@@ -285,9 +298,18 @@ class Request:
         return (self.priority, self.arrival_time)
 
     def target_num_tokens(self, seq: Sequence) -> int:
-        """How far `seq` may compute now: all its tokens, except that a request still to be forked
-        stops before the prompt's last token, which every fork computes (and samples from) itself."""
-        return self.num_prompt_tokens - 1 if self.num_pending_forks else seq.num_tokens
+        """How far `seq` may compute now: all its tokens and placeholders, except that a request
+        still to be forked stops before the prompt's last token, which every fork computes (and
+        samples from) itself."""
+        if self.num_pending_forks:
+            return self.num_prompt_tokens - 1
+        return seq.num_tokens + seq.num_pending_tokens
+
+    @property
+    def runs_on_placeholders(self) -> bool:
+        """Whether its next step may be scheduled before its tokens are known (async scheduling):
+        not beam search (the scheduler picks the tokens) nor a grammar (the next mask needs them)."""
+        return self.beam_search is None and self.grammar is None
 
     def beam_outputs(self, hypotheses: list[Hypothesis]) -> list[EngineCoreOutput]:
         """The final beams, best first, each reported once with all its tokens."""

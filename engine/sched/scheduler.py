@@ -35,7 +35,7 @@ from engine.sched.grammar import GrammarMatcher
 from engine.sched.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, window_blocks
 from engine.sched.lora_slots import LoRASlotTable
 from engine.sched.output_builder import OutputBuilder, SampledBySequence
-from engine.sched.request import Request, RequestStatus, SequenceStatus
+from engine.sched.request import Request, RequestStatus, Sequence, SequenceStatus
 from engine.sched.sequence_groups import SequenceGroups
 from engine.sched.speculation import Speculator
 from engine.sched.step_plan import StepPlan, WorkerSequences
@@ -66,6 +66,7 @@ class Scheduler:
         sliding_window: int | None = None,
         speculative_config: SpeculativeConfig | None = None,
         max_loras: int | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -98,6 +99,9 @@ class Scheduler:
             else None
         )
         self._drafting = False  # whether the step being scheduled takes drafts
+        # Async scheduling: a sequence's next step may be scheduled while the one that samples its
+        # next token is in flight. Speculation needs the tokens to propose the next drafts.
+        self.async_scheduling = async_scheduling and self.speculator is None
         # The workers' LoRA adapter slots (None: LoRA is off).
         self.lora_slots = LoRASlotTable(max_loras) if max_loras is not None else None
         self.requests: dict[str, Request] = {}
@@ -105,6 +109,11 @@ class Scheduler:
         self.swapped: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # The sequences each step with tokens was scheduled for, by id() of its SchedulerOutput, until
+        # its output is applied: by then a sequence may have finished and a request of the same id
+        # taken its place (a step in flight after its last token, async scheduling or pipeline
+        # stages), and the step's tokens are the old one's.
+        self._step_seqs: dict[int, dict[str, Sequence]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -177,15 +186,28 @@ class Scheduler:
                 self._admit_waiting(plan)
         if self.lora_slots is not None:
             plan.lora_loads = self.lora_slots.assign(request.lora_request for request in self.running)
-        return ScheduledStep(
-            plan.to_scheduler_output(self.worker_sequences.take_dropped()), plan.finished_outputs
-        )
+        scheduler_output = plan.to_scheduler_output(self.worker_sequences.take_dropped())
+        if scheduler_output.num_scheduled_tokens:
+            seqs = self.groups.seqs
+            self._step_seqs[id(scheduler_output)] = {
+                seq_id: seqs[seq_id] for seq_id in scheduler_output.num_scheduled_tokens
+            }
+        return ScheduledStep(scheduler_output, plan.finished_outputs)
+
+    def may_schedule_ahead(self) -> bool:
+        """Whether the next step may be planned before the one in flight returns: async scheduling,
+        and every running request can run on placeholders (else one plain step waits for them)."""
+        return self.async_scheduling and all(request.runs_on_placeholders for request in self.running)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        """Append sampled tokens (or pick beams), stop finished sequences, free their blocks at once."""
+        """Append sampled tokens (or pick beams), stop finished sequences, free their blocks at once.
+
+        The tokens of a sequence preempted while its step was in flight on a placeholder count too:
+        the step after that one was planned on them."""
         sampled = SampledBySequence.of(runner_output)
+        scheduled = self._step_seqs.pop(id(scheduler_output), {})
         drafts = scheduler_output.scheduled_spec_decode_tokens
         for seq_id in drafts.keys() | set(scheduler_output.draft_seq_ids):
             seq = self.groups.seqs.get(seq_id)
@@ -195,7 +217,12 @@ class Scheduler:
         requests: dict[str, Request] = {}
         for seq_id in scheduler_output.num_scheduled_tokens:
             seq = self.groups.seqs.get(seq_id)
-            if seq is not None and seq.status == SequenceStatus.RUNNING:
+            if seq is None or scheduled.get(seq_id, seq) is not seq:
+                continue  # finished meanwhile (and maybe a new request of the same id came)
+            filled = seq.num_pending_tokens > 0 and seq_id in sampled.token_ids
+            if filled:
+                seq.num_pending_tokens -= 1
+            if seq.status == SequenceStatus.RUNNING or filled:
                 requests[seq.request_id] = seq.request
         outputs: list[EngineCoreOutput] = []
         for request in requests.values():
@@ -266,6 +293,12 @@ class Scheduler:
                 if seq.index == 0 and request.num_cached_tokens < 0:
                     request.num_cached_tokens = want.num_hit_tokens
             self.worker_sequences.record(seq, want.num_new_tokens, allocation, self.kv_cache_manager, plan)
+            if (
+                self.async_scheduling
+                and request.runs_on_placeholders
+                and seq.num_computed_tokens == seq.num_tokens + seq.num_pending_tokens
+            ):
+                seq.num_pending_tokens += 1  # the step samples its next token: a placeholder till then
             if want.drafts:
                 plan.drafts[seq.seq_id] = want.drafts
             if want.num_lookahead_tokens:
@@ -288,6 +321,8 @@ class Scheduler:
                     # the cached prefix to compute, or it would never be scheduled (nor forked).
                     hits, num_hit_tokens = hits[:-1], num_hit_tokens - self.block_size
             num_new = min(request.target_num_tokens(seq) - seq.num_computed_tokens - num_hit_tokens, budget)
+            if seq.pending_reach_limit(self.max_seq_len):
+                num_new = 0
             drafts = []
             if (
                 self._drafting
@@ -312,14 +347,16 @@ class Scheduler:
         """Blocks for every wanted sequence, preempting from the back of the queue until they fit.
 
         Returns None when they do not fit and `may_preempt` is off, or when `request` itself had to
-        go (preempted, or finished because not even the whole cache can hold it).
+        go (preempted, or finished because not even the whole cache can hold it). A request with
+        tokens in flight (async scheduling) is finished only once they are known, at a later step:
+        they are its own, as they would be without async scheduling.
         """
         kv = self.kv_cache_manager
         if len(wants) == 1:
             (want,) = wants
             if kv.num_blocks_held_after(want.seq, want.num_new_tokens) > kv.num_blocks:
                 # A lone sequence longer than the whole cache: preempting others would not help.
-                if may_preempt:
+                if may_preempt and not _has_pending_tokens(request):
                     self._cap_request(request, "the sequence outgrew the whole KV cache", plan)
                 return None
         while True:
@@ -332,7 +369,8 @@ class Scheduler:
                 return None
             victim = self.running[-1]  # sorted: the last one has the lowest priority
             if victim is request and len(self.running) == 1:
-                self._cap_request(request, "its sequences do not fit the whole KV cache", plan)
+                if not _has_pending_tokens(request):
+                    self._cap_request(request, "its sequences do not fit the whole KV cache", plan)
                 return None
             self._preempt(victim, plan)
             if victim is request:
@@ -477,3 +515,8 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self.output_builder.forget_request(request.request_id)
         self.groups.forget_request(request.request_id)
+
+
+def _has_pending_tokens(request: Request) -> bool:
+    """A request preempted while a step sampled for it: it resumes once that token is known."""
+    return any(seq.num_pending_tokens for seq in request.live_seqs)

@@ -35,7 +35,9 @@ class WorkerSequenceState:
     NewSequenceData, then RunningSequenceDeltas)."""
 
     seq_id: str
-    token_ids: list[int]  # prompt + the outputs the scheduler has sent
+    # Prompt + outputs: the first `num_known_tokens` sent by the scheduler, then those this worker
+    # sampled since (async scheduling computes them before the scheduler knows them).
+    token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
     seed: int | None
@@ -46,6 +48,15 @@ class WorkerSequenceState:
     num_computed_tokens: int
     row: int
     lora_int_id: int = 0  # its LoRA adapter; 0: the base model
+    num_known_tokens: int = 0
+
+    def add_known_tokens(self, new_tokens: list[int]) -> None:
+        """The scheduler's tokens after those it sent before: they take the places of this worker's
+        own samples (the same tokens, but for beam search, whose scheduler picks others), and own
+        samples past them stay, as the values of the placeholders the step may compute."""
+        start = self.num_known_tokens
+        self.token_ids[start : start + len(new_tokens)] = new_tokens
+        self.num_known_tokens += len(new_tokens)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -96,6 +107,7 @@ class InputBatch:
             num_computed_tokens=new.num_computed_tokens,
             row=self._free_rows.pop(),
             lora_int_id=new.lora_int_id,
+            num_known_tokens=len(new.prompt_token_ids) + len(new.output_token_ids),
         )
         self.seqs[new.seq_id] = state
         self.set_blocks(state, 0, new.block_ids)

@@ -147,6 +147,9 @@ class ModelRunner:
             output.spec_token_ids = self._propose_drafts(
                 input_ids, positions, meta, accepted, scheduler_output
             )
+        # Kept as the next step's inputs where it computes them before the scheduler sends them.
+        for seq in accepted:
+            self.input_batch.seqs[seq.seq_id].token_ids.extend(seq.tokens)
         self._advance(order, num_scheduled)
         return output
 
@@ -231,7 +234,7 @@ class ModelRunner:
             strict=True,
         ):
             state = batch.seqs[seq_id]
-            state.token_ids.extend(new_tokens)
+            state.add_known_tokens(new_tokens)
             state.num_computed_tokens = num_computed
             batch.set_blocks(state, table_start, new_blocks)
 

@@ -104,6 +104,129 @@ def test_a_draft_model_beside_a_parallel_target_keeps_its_greedy_outputs(
     assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens > 0
 
 
+def _core(llm: LLM) -> EngineCore:
+    """The engine core of an LLM built with multiprocess_mode=False."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def _record_steps_in_flight(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many steps were in flight each time the core scheduled one, from now on."""
+    in_flight: list[int] = []
+    schedule = core.scheduler.schedule
+
+    def recording():
+        in_flight.append(len(core.batch_queue))
+        return schedule()
+
+    monkeypatch.setattr(core.scheduler, "schedule", recording)
+    return in_flight
+
+
+def test_async_scheduling_on_tensor_parallel_workers_keeps_greedy_outputs(
+    tiny_model: Path, uni_greedy: list[list[int]], monkeypatch: pytest.MonkeyPatch
+):
+    """Every step after the first is planned while the previous one runs: its decodes compute the
+    tokens that both ranks sampled, which the scheduler learns only afterwards. Unseeded sampling
+    too: both ranks draw from generators seeded alike, and the batches are those of a synchronous
+    engine (no EOS, no stop one step late), so the draws are the in-process engine's."""
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12)
+    uni = LLM(str(tiny_model), **SETTINGS, distributed_executor_backend="uni")
+    try:
+        uni.generate(PROMPTS, GREEDY, use_tqdm=False)  # the same draws before as below
+        expected = [out.outputs[0].token_ids for out in uni.generate(PROMPTS, unseeded, use_tqdm=False)]
+    finally:
+        uni.llm_engine.shutdown()
+    llm = LLM(
+        str(tiny_model),
+        **SETTINGS,
+        multiprocess_mode=False,  # the core in this process, so that the test sees its steps
+        tensor_parallel_size=2,
+        async_scheduling=True,
+    )
+    core = _core(llm)
+    assert isinstance(core.executor, MultiprocExecutor) and core.scheduler.async_scheduling
+    in_flight = _record_steps_in_flight(core, monkeypatch)
+    try:
+        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        ahead = in_flight.count(1)
+        sampled = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, unseeded, use_tqdm=False)]
+        stats = llm.get_stats()
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == uni_greedy
+    assert max(in_flight) == 1 and ahead >= GREEDY.max_tokens - 1, in_flight
+    assert sampled == expected
+    assert stats["kv_cache_usage"] == 0.0 and stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+
+
+def test_async_scheduling_between_pipeline_stages_keeps_greedy_outputs(
+    tiny_model: Path, uni_greedy: list[list[int]]
+):
+    # Pipeline stages overlap through their own batch queue: the flag is accepted, with no
+    # placeholders (the first stage never sees the last stage's samples). The core in its own
+    # process, as an mp engine runs by default.
+    llm = LLM(str(tiny_model), **SETTINGS, pipeline_parallel_size=2, async_scheduling=True)
+    assert llm.llm_engine.config.scheduler.async_scheduling
+    try:
+        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        stats = llm.get_stats()
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == uni_greedy
+    assert stats["kv_cache_usage"] == 0.0 and stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+
+
+def test_async_scheduling_under_preemption_keeps_greedy_and_seeded_outputs(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Ten blocks of 16 tokens hold too little: the single sequences are preempted by recompute, the
+    group of three by swapping, while their newest tokens are still placeholders in a step in flight;
+    the tokens are those of a roomy synchronous engine."""
+    long_greedy = SamplingParams(temperature=0.0, max_tokens=40)
+    seeded = SamplingParams(n=3, temperature=1.0, top_p=0.95, seed=7, max_tokens=40)
+    params = [long_greedy, seeded, long_greedy]
+    roomy = LLM(str(tiny_model), **SETTINGS, distributed_executor_backend="uni")
+    try:
+        expected = [
+            [c.token_ids for c in out.outputs] for out in roomy.generate(PROMPTS, params, use_tqdm=False)
+        ]
+    finally:
+        roomy.llm_engine.shutdown()
+    assert len({tuple(ids) for ids in expected[1]}) == 3  # three different samples
+
+    tight = LLM(
+        str(tiny_model),
+        **{**SETTINGS, "num_kv_blocks": 10},
+        swap_space=0.01,
+        multiprocess_mode=False,
+        tensor_parallel_size=2,
+        async_scheduling=True,
+    )
+    scheduler = _core(tight).scheduler
+    preempted: list[tuple[str, list[int]]] = []  # (how, each sequence's placeholders) per preemption
+    preempt = scheduler._preempt
+
+    def recording(request, plan):
+        pending = [seq.num_pending_tokens for seq in request.live_seqs]
+        preempt(request, plan)
+        preempted.append((request.status.name, pending))
+
+    monkeypatch.setattr(scheduler, "_preempt", recording)
+    try:
+        got = [[c.token_ids for c in out.outputs] for out in tight.generate(PROMPTS, params, use_tqdm=False)]
+        stats = tight.get_stats()
+        kv = scheduler.kv_cache_manager
+        cpu_blocks_free = (kv.cpu_pool.num_free_blocks, kv.cpu_pool.num_blocks)
+    finally:
+        tight.llm_engine.shutdown()
+    assert got == expected
+    for how in ("PREEMPTED", "SWAPPED"):  # by recompute, by swapping; with a token in flight
+        assert any(kind == how and any(pending) for kind, pending in preempted), preempted
+    assert stats["num_preemptions"] == len(preempted)
+    assert stats["kv_cache_usage"] == 0.0 and stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+    assert cpu_blocks_free[0] == cpu_blocks_free[1]
+
+
 def test_collective_rpc_gathers_results_in_rank_order(tp2_executor: MultiprocExecutor):
     infos = tp2_executor.collective_rpc("process_info")
     assert [info["rank"] for info in infos] == [0, 1]

@@ -133,6 +133,44 @@ def test_tp2_pp2_across_nodes_matches_the_single_process_engine(cluster, tiny_mo
     assert _placement_groups() == groups_before
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])
+def test_async_scheduling_matches_the_single_process_engine(
+    cluster, tiny_model, expected, tp: int, pp: int, monkeypatch: pytest.MonkeyPatch
+):
+    """With one stage the next step is planned while the actors run the current one, its decodes on
+    the tokens both ranks sampled; with two the flag is accepted and the stages' own batch queue
+    overlaps them, without placeholders."""
+    llm = LLM(
+        str(tiny_model),
+        multiprocess_mode=False,  # the core in this process, so that the test sees its steps
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="ray",
+        async_scheduling=True,
+        **SETTINGS,
+    )
+    core = llm.llm_engine.engine_core.engine_core
+    assert isinstance(core.executor, RayDistributedExecutor)
+    assert core.scheduler.async_scheduling == (pp == 1)
+    in_flight: list[int] = []  # steps in flight each time one is scheduled
+    schedule = core.scheduler.schedule
+
+    def recording():
+        in_flight.append(len(core.batch_queue))
+        return schedule()
+
+    monkeypatch.setattr(core.scheduler, "schedule", recording)
+    try:
+        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        stats = llm.get_stats()
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == expected
+    if pp == 1:
+        assert in_flight.count(1) >= GREEDY.max_tokens - 1, in_flight
+    assert stats["kv_cache_usage"] == 0.0 and stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+
+
 def test_lora_adapters_on_ray_workers_equal_the_merged_reference(cluster, tiny_model, tmp_path):
     """TP = 2 x PP = 2 actors each hold their shard of an adapter, loaded into the slot the
     scheduler chose: the tokens are transformers' with the adapter merged by hand."""

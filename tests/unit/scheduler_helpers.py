@@ -3,7 +3,10 @@
 
 `FakeWorker` plays the model runner's part from `SchedulerOutput` alone, as a real worker would: it
 keeps each sequence's tokens, block table and computed count from the new-sequence data and the
-deltas (`block_table_starts` included), applies the step's block moves first (swaps out, swaps in,
+deltas (`block_table_starts` included; its own sampled tokens appended after each step, the
+scheduler's tokens written over them from the first it had not sent, so that a step scheduled
+before the previous one's tokens were known computes a position only the worker knows: async
+scheduling), applies the step's block moves first (swaps out, swaps in,
 then copies, between a shadow device cache and a shadow CPU cache), "writes" every scheduled token
 into the shadow device cache, checks that every position a sequence attends to holds that
 sequence's own prefix (which catches a prefix-cache hit on a block that was overwritten, a missing
@@ -161,6 +164,7 @@ def make_scheduler(
     preemption_mode: str | None = None,
     sliding_window: int | None = None,
     max_loras: int | None = None,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -174,6 +178,7 @@ def make_scheduler(
         num_cpu_blocks=num_cpu_blocks,
         sliding_window=sliding_window,
         max_loras=max_loras,
+        async_scheduling=async_scheduling,
     )
 
 
@@ -216,6 +221,11 @@ class _WorkerState:
     num_computed: int
     greedy: bool
     num_logprobs: int | None
+    # tokens[:num_known] came from the scheduler; those after it the worker sampled itself.
+    num_known: int = 0
+    # The scheduler's Sequence it was sent for (a later request may reuse the id while a step of
+    # this one is still in flight: async scheduling).
+    seq: object | None = None
     # fingerprints[p] identifies tokens[: p + 1]: the KV at position p depends on all of them.
     fingerprints: list[int] = field(default_factory=list)
 
@@ -286,6 +296,7 @@ class FakeWorker:
             self._cross_check(seq_id, state, reaches_end)
             if reaches_end:
                 token, row = self._sample(seq_id, state)
+                state.tokens.append(token)  # the next step's input, if it runs before the scheduler knows it
                 seq_ids.append(seq_id)
                 sampled.append([token])
                 logprobs.append(row)
@@ -308,6 +319,8 @@ class FakeWorker:
                 num_computed=new.num_computed_tokens,
                 greedy=new.sampling_params.is_greedy,
                 num_logprobs=new.num_logprobs,
+                num_known=len(new.prompt_token_ids) + len(new.output_token_ids),
+                seq=None if self.scheduler is None else self.scheduler.groups.seqs.get(new.seq_id),
             )
 
     def _apply_deltas(self, out: SchedulerOutput) -> None:
@@ -323,8 +336,25 @@ class FakeWorker:
             state = self.states[seq_id]
             assert state.num_computed == num_computed, (seq_id, state.num_computed, num_computed)
             assert 0 <= start <= len(state.block_ids), (seq_id, start, state.block_ids)
-            state.tokens.extend(new_tokens)
+            self._add_known_tokens(seq_id, state, new_tokens)
             state.block_ids[start:] = new_blocks
+
+    @staticmethod
+    def _add_known_tokens(seq_id: str, state: _WorkerState, new_tokens: list[int]) -> None:
+        """The scheduler's tokens after those it sent before, written over the worker's own samples
+        (as `WorkerSequenceState.add_known_tokens`). A position already computed must keep its value
+        (its KV was written from it); one not computed yet may change (beam search picks its tokens)."""
+        start = state.num_known
+        for offset, token in enumerate(new_tokens):
+            position = start + offset
+            if position < len(state.tokens) and state.tokens[position] != token:
+                assert position >= state.num_computed, (
+                    f"{seq_id}: position {position} was computed on token {state.tokens[position]}, "
+                    f"the scheduler says {token}"
+                )
+                del state.fingerprints[position:]
+        state.tokens[start : start + len(new_tokens)] = new_tokens
+        state.num_known += len(new_tokens)
 
     @staticmethod
     def _check_batch_is_consistent(out: SchedulerOutput) -> None:
@@ -358,8 +388,8 @@ class FakeWorker:
             )
 
     def _sample(self, seq_id: str, state: _WorkerState) -> tuple[int, LogprobsLists | None]:
-        """The next token and its log-probabilities, if asked for. Like a real runner, the worker
-        learns its own sampled token from the next delta."""
+        """The next token and its log-probabilities, if asked for (the caller keeps the token, as a
+        real runner does, until the scheduler's delta writes its own over it)."""
         tokens = list(state.tokens)
         token = greedy_token(tokens, self.vocab) if state.greedy else self.token_fn(seq_id, tokens)
         row = (
@@ -371,9 +401,15 @@ class FakeWorker:
 
     def _cross_check(self, seq_id: str, state: _WorkerState, reaches_end: bool) -> None:
         scheduler = self.scheduler
-        if scheduler is None or seq_id not in scheduler.groups.seqs:
+        seq = None if scheduler is None else scheduler.groups.seqs.get(seq_id)
+        if seq is None or seq is not state.seq:
             return
-        seq = scheduler.groups.seqs[seq_id]
+        if scheduler.async_scheduling:
+            # The scheduler may have planned the next step already, and not know this one's inputs
+            # yet: where both know a token, it is the same.
+            common = min(seq.num_tokens, len(state.tokens))
+            assert seq.all_token_ids[:common] == state.tokens[:common], f"{seq_id}: worker tokens diverged"
+            return
         assert seq.all_token_ids == state.tokens, f"{seq_id}: worker tokens diverged"
         assert seq.num_computed_tokens == state.num_computed
         # Entries before the window may have been freed: the scheduler's point at its null block,

@@ -50,15 +50,23 @@ def test_the_smollm2_shape_is_the_packaged_models():
     )
 
 
-def test_the_1b_shape_is_about_a_billion_parameters():
-    shape, vocab = gpu_check.LLAMA_1B, 49152
+@pytest.mark.parametrize(
+    "shape,low,high", [(gpu_check.LLAMA_1B, 0.9e9, 1.5e9), (gpu_check.LLAMA_8B, 7e9, 8.5e9)]
+)
+def test_the_large_shapes_have_their_parameter_counts(shape, low, high):
+    vocab = 49152
     head_dim = shape.hidden // shape.heads
     per_layer = (
         shape.hidden * head_dim * (2 * shape.heads + 2 * shape.kv_heads)
         + 3 * shape.hidden * shape.intermediate
     )
     total = shape.layers * per_layer + 2 * vocab * shape.hidden
-    assert 0.9e9 < total < 1.5e9
+    assert low < total < high
+
+
+def test_peak_bandwidth_follows_the_device_name():
+    assert gpu_check.peak_hbm_bytes_per_s("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert gpu_check.peak_hbm_bytes_per_s("NVIDIA H200") == 4.8e12
 
 
 def test_dry_run_checks_the_backends_and_benchmarks_eager_and_graph_modes(dry_run):
@@ -72,9 +80,11 @@ def test_dry_run_checks_the_backends_and_benchmarks_eager_and_graph_modes(dry_ru
             assert result["status"] == "ok", result
         else:
             assert result["status"] in ("unavailable", "failed") and result["reason"]
-    assert set(summary["bench"]) == {"llama-tiny-eager", "llama-tiny-graphs"}
+    assert set(summary["bench"]) == {"llama-tiny-eager", "llama-tiny-graphs", "llama-tiny-graphs-async"}
     for run in summary["bench"].values():
         assert run["status"] == "ok" and run["output_tokens_per_s"] > 0 and 0 < run["hbm_share"] < 1
+        # The share is the read time over the step time.
+        assert run["hbm_share"] == pytest.approx(run["read_time_ms"] / run["decode_step_ms"])
         assert run["cuda_graphs"] == "not used"  # never on the CPU
     assert json.loads((out / "summary.json").read_text())["bench"].keys() == summary["bench"].keys()
     table = (out / "summary.md").read_text()
