@@ -25,6 +25,7 @@ from engine.worker.memory import (
     profile_host_memory,
 )
 from engine.worker.model_runner import ModelRunner
+from kernels.host_malloc import keep_freed_host_memory
 from parallel.comm import take_comm_times
 from parallel.state import get_parallel_state, init_model_parallel
 
@@ -66,6 +67,8 @@ class Worker:
                 )
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
+        else:
+            keep_freed_host_memory()  # each step's logits and sampling buffers, reused without faults
         parallel = self.config.parallel
         init_model_parallel(
             parallel.tensor_parallel_size,
