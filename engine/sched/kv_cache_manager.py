@@ -46,6 +46,19 @@ def window_blocks(sliding_window: int, num_step_tokens: int, block_size: int) ->
     return cdiv(sliding_window - 1 + num_step_tokens, block_size) + 1
 
 
+def max_sequence_len(
+    max_model_len: int, num_blocks: int, block_size: int, sliding_window: int | None, num_step_tokens: int
+) -> int:
+    """The most tokens a sequence may hold: no more than the whole cache (it stops there, cut by
+    length), unless every layer slides and the cache holds a window and a step's tokens."""
+    if (
+        sliding_window is not None
+        and window_blocks(sliding_window, num_step_tokens, block_size) <= num_blocks
+    ):
+        return max_model_len
+    return min(max_model_len, num_blocks * block_size)
+
+
 @dataclasses.dataclass(slots=True)
 class SequenceWant:
     """One sequence's share of a step: `num_new_tokens` to compute after taking `prefix_hits`

@@ -13,6 +13,7 @@ This module is that policy. The rest of a step lives beside it:
 - engine/sched/sequence_groups.py: the sequences of each request, parallel-sampling forks and beam steps
   (engine/sched/beam_search.py decides which beams); forks share blocks, copied on write;
 - engine/sched/step_plan.py: the SchedulerOutput the step builds, and what the workers already hold;
+- engine/sched/inflight.py: the steps in flight (async scheduling's placeholders, pipeline stages);
 - engine/sched/output_builder.py: sampled tokens -> EngineCoreOutputs.
 """
 
@@ -32,10 +33,11 @@ from engine.outputs import (
     SchedulerStats,
 )
 from engine.sched.grammar import GrammarMatcher
-from engine.sched.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, window_blocks
+from engine.sched.inflight import InflightSteps, has_pending_tokens
+from engine.sched.kv_cache_manager import KVCacheManager, SequenceWant, SlotAllocation, max_sequence_len
 from engine.sched.lora_slots import LoRASlotTable
 from engine.sched.output_builder import OutputBuilder, SampledBySequence
-from engine.sched.request import Request, RequestStatus, Sequence, SequenceStatus
+from engine.sched.request import Request, RequestStatus, SequenceStatus
 from engine.sched.sequence_groups import SequenceGroups
 from engine.sched.speculation import Speculator
 from engine.sched.step_plan import StepPlan, WorkerSequences
@@ -81,15 +83,9 @@ class Scheduler:
             num_cpu_blocks,
             sliding_window,
         )
-        # A sequence never holds more tokens than the whole cache: it stops there, cut by length;
-        # unless every layer slides and the cache holds a window and a step: then it holds no more.
-        self.max_seq_len = min(max_model_len, num_kv_blocks * cache_config.block_size)
-        window = sliding_window
-        if (
-            window is not None
-            and window_blocks(window, self.max_num_batched_tokens, self.block_size) <= num_kv_blocks
-        ):
-            self.max_seq_len = max_model_len
+        self.max_seq_len = max_sequence_len(
+            max_model_len, num_kv_blocks, self.block_size, sliding_window, self.max_num_batched_tokens
+        )
         self.worker_sequences = WorkerSequences()
         self.groups = SequenceGroups(self.kv_cache_manager, self.worker_sequences, self.max_seq_len)
         self.output_builder = OutputBuilder(self.groups, self.max_seq_len)
@@ -102,6 +98,7 @@ class Scheduler:
         # Async scheduling: a sequence's next step may be scheduled while the one that samples its
         # next token is in flight. Speculation needs the tokens to propose the next drafts.
         self.async_scheduling = async_scheduling and self.speculator is None
+        self.inflight = InflightSteps(self.async_scheduling)
         # The workers' LoRA adapter slots (None: LoRA is off).
         self.lora_slots = LoRASlotTable(max_loras) if max_loras is not None else None
         self.requests: dict[str, Request] = {}
@@ -109,11 +106,6 @@ class Scheduler:
         self.swapped: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # The sequences each step with tokens was scheduled for, by id() of its SchedulerOutput, until
-        # its output is applied: by then a sequence may have finished and a request of the same id
-        # taken its place (a step in flight after its last token, async scheduling or pipeline
-        # stages), and the step's tokens are the old one's.
-        self._step_seqs: dict[int, dict[str, Sequence]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -187,11 +179,7 @@ class Scheduler:
         if self.lora_slots is not None:
             plan.lora_loads = self.lora_slots.assign(request.lora_request for request in self.running)
         scheduler_output = plan.to_scheduler_output(self.worker_sequences.take_dropped())
-        if scheduler_output.num_scheduled_tokens:
-            seqs = self.groups.seqs
-            self._step_seqs[id(scheduler_output)] = {
-                seq_id: seqs[seq_id] for seq_id in scheduler_output.num_scheduled_tokens
-            }
+        self.inflight.record(scheduler_output, self.groups.seqs)
         return ScheduledStep(scheduler_output, plan.finished_outputs)
 
     def may_schedule_ahead(self) -> bool:
@@ -207,7 +195,7 @@ class Scheduler:
         The tokens of a sequence preempted while its step was in flight on a placeholder count too:
         the step after that one was planned on them."""
         sampled = SampledBySequence.of(runner_output)
-        scheduled = self._step_seqs.pop(id(scheduler_output), {})
+        scheduled = self.inflight.take(scheduler_output)
         drafts = scheduler_output.scheduled_spec_decode_tokens
         for seq_id in drafts.keys() | set(scheduler_output.draft_seq_ids):
             seq = self.groups.seqs.get(seq_id)
@@ -219,9 +207,7 @@ class Scheduler:
             seq = self.groups.seqs.get(seq_id)
             if seq is None or scheduled.get(seq_id, seq) is not seq:
                 continue  # finished meanwhile (and maybe a new request of the same id came)
-            filled = seq.num_pending_tokens > 0 and seq_id in sampled.token_ids
-            if filled:
-                seq.num_pending_tokens -= 1
+            filled = self.inflight.fill_placeholder(seq, sampled)
             if seq.status == SequenceStatus.RUNNING or filled:
                 requests[seq.request_id] = seq.request
         outputs: list[EngineCoreOutput] = []
@@ -293,12 +279,7 @@ class Scheduler:
                 if seq.index == 0 and request.num_cached_tokens < 0:
                     request.num_cached_tokens = want.num_hit_tokens
             self.worker_sequences.record(seq, want.num_new_tokens, allocation, self.kv_cache_manager, plan)
-            if (
-                self.async_scheduling
-                and request.runs_on_placeholders
-                and seq.num_computed_tokens == seq.num_tokens + seq.num_pending_tokens
-            ):
-                seq.num_pending_tokens += 1  # the step samples its next token: a placeholder till then
+            self.inflight.add_placeholder(request, seq)
             if want.drafts:
                 plan.drafts[seq.seq_id] = want.drafts
             if want.num_lookahead_tokens:
@@ -356,7 +337,7 @@ class Scheduler:
             (want,) = wants
             if kv.num_blocks_held_after(want.seq, want.num_new_tokens) > kv.num_blocks:
                 # A lone sequence longer than the whole cache: preempting others would not help.
-                if may_preempt and not _has_pending_tokens(request):
+                if may_preempt and not has_pending_tokens(request):
                     self._cap_request(request, "the sequence outgrew the whole KV cache", plan)
                 return None
         while True:
@@ -369,7 +350,7 @@ class Scheduler:
                 return None
             victim = self.running[-1]  # sorted: the last one has the lowest priority
             if victim is request and len(self.running) == 1:
-                if not _has_pending_tokens(request):
+                if not has_pending_tokens(request):
                     self._cap_request(request, "its sequences do not fit the whole KV cache", plan)
                 return None
             self._preempt(victim, plan)
@@ -515,8 +496,3 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self.output_builder.forget_request(request.request_id)
         self.groups.forget_request(request.request_id)
-
-
-def _has_pending_tokens(request: Request) -> bool:
-    """A request preempted while a step sampled for it: it resumes once that token is known."""
-    return any(seq.num_pending_tokens for seq in request.live_seqs)

@@ -21,6 +21,7 @@ from engine.executor.ray_distributed import RayDistributedExecutor
 from engine.executor.uniproc import UniProcExecutor
 from engine.process.core import EngineCore
 from tests.distributed.background_steps import BackgroundSteps
+from tests.distributed.engine_runs import assert_idle, generate_and_shut_down
 from tests.engine_proc.helpers import process_exists
 from tests.model.tiny_models import write_tiny_model
 
@@ -156,7 +157,7 @@ def test_async_scheduling_on_tensor_parallel_workers_keeps_greedy_outputs(
     assert got == uni_greedy
     assert max(in_flight) == 1 and ahead >= GREEDY.max_tokens - 1, in_flight
     assert sampled == expected
-    assert stats["kv_cache_usage"] == 0.0 and stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+    assert_idle(stats)
 
 
 def test_async_scheduling_between_pipeline_stages_keeps_greedy_outputs(
@@ -167,13 +168,9 @@ def test_async_scheduling_between_pipeline_stages_keeps_greedy_outputs(
     # process, as an mp engine runs by default.
     llm = LLM(str(tiny_model), **SETTINGS, pipeline_parallel_size=2, async_scheduling=True)
     assert llm.llm_engine.config.scheduler.async_scheduling
-    try:
-        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        stats = llm.get_stats()
-    finally:
-        llm.llm_engine.shutdown()
+    got, stats = generate_and_shut_down(llm, PROMPTS, GREEDY)
     assert got == uni_greedy
-    assert stats["kv_cache_usage"] == 0.0 and stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+    assert_idle(stats)
 
 
 def test_async_scheduling_under_preemption_keeps_greedy_and_seeded_outputs(
@@ -223,7 +220,7 @@ def test_async_scheduling_under_preemption_keeps_greedy_and_seeded_outputs(
     for how in ("PREEMPTED", "SWAPPED"):  # by recompute, by swapping; with a token in flight
         assert any(kind == how and any(pending) for kind, pending in preempted), preempted
     assert stats["num_preemptions"] == len(preempted)
-    assert stats["kv_cache_usage"] == 0.0 and stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+    assert_idle(stats)
     assert cpu_blocks_free[0] == cpu_blocks_free[1]
 
 

@@ -26,6 +26,7 @@ from engine.executor.ray_distributed import RayDistributedExecutor
 from engine.executor.ray_utils import rank_order
 from engine.process.core import EngineCore
 from tests.distributed.background_steps import BackgroundSteps
+from tests.distributed.engine_runs import assert_idle, generate_and_shut_down
 from tests.model.hf_reference import hf_greedy
 from tests.model.lora_adapters import merged_reference, write_peft_adapter
 from tests.model.tiny_models import write_tiny_model
@@ -160,15 +161,11 @@ def test_async_scheduling_matches_the_single_process_engine(
         return schedule()
 
     monkeypatch.setattr(core.scheduler, "schedule", recording)
-    try:
-        got = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        stats = llm.get_stats()
-    finally:
-        llm.llm_engine.shutdown()
+    got, stats = generate_and_shut_down(llm, PROMPTS, GREEDY)
     assert got == expected
     if pp == 1:
         assert in_flight.count(1) >= GREEDY.max_tokens - 1, in_flight
-    assert stats["kv_cache_usage"] == 0.0 and stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0
+    assert_idle(stats)
 
 
 def test_lora_adapters_on_ray_workers_equal_the_merged_reference(cluster, tiny_model, tmp_path):
