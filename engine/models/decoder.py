@@ -147,8 +147,9 @@ class DecoderLayer(nn.Module):
         self.mlp = self.build_mlp(config, layer_index, dtype)
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype)
-        # The same layer as one C++ call, where engine/models/fused_layers.py finds that it can be.
-        self.fused: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        # The same layer as one C++ call, where engine/models/fused_layers.py finds that it can be
+        # (it answers None for a step it does not take: this forward runs then).
+        self.fused: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def build_attention(
         self, config: ArchConfig, layer_index: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype
@@ -162,7 +163,9 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused is not None:
-            return self.fused(positions, hidden, residual)
+            fused = self.fused(positions, hidden, residual)
+            if fused is not None:
+                return fused
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:

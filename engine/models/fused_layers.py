@@ -8,11 +8,14 @@ are the same bit for bit (tests/model/test_fused_layers.py), without the Python 
 (docs/performance.md).
 
 A layer is fused where it is Llama's (plain attention, a SiLU MLP, no sliding window or soft cap)
-and all of it runs on those kernels: the cpu_paged attention backend over a bf16
-cache (never an int8 one, which only the int8 path reads) with the tiled prefill kernel built for
-its shape (AVX-512 BF16), its four projections in
-panels (kernels/linear.py), no biases but the QKV projection's, and no tensor parallelism (the
-row-parallel projections' all-reduce stays in Python). Anywhere else the layer's own forward runs.
+and all of it runs on those kernels: the cpu_paged attention backend over a bf16 cache (never an
+int8 one, which only the int8 path reads) with the tiled prefill kernel built for its shape
+(AVX-512 BF16) and no AMX attention (which the C++ call does not take), its four projections all in
+bf16 panels (kernels/linear.py) or all in GGUF blocks (kernels/gguf_blocks.py), no biases but the
+QKV projection's, and no tensor parallelism (the row-parallel projections' all-reduce stays in
+Python). A layer in GGUF blocks runs fused up to `GEMV_MAX_ROWS` tokens a step, the rows its
+products take in one pass over the blocks; a larger step (a long prefill chunk) runs it layer by
+layer, where the products dequantize panels. Anywhere else the layer's own forward runs.
 """
 
 from __future__ import annotations
@@ -23,7 +26,21 @@ from torch import nn
 from engine.forward_context import get_forward_context
 from engine.models.decoder import Attention, DecoderLayer, GatedMLP
 from kernels.attention import AttentionBackend
-from kernels.attention.cpu_paged import cascade_blocks, cpu_paged_attention, tiled_serves
+from kernels.attention.cpu_paged import amx_serves, cascade_blocks, cpu_paged_attention, tiled_serves
+from kernels.gguf_blocks import BlockLinearWeight
+from kernels.quant_linear import GEMV_MAX_ROWS
+
+# A projection's weight as the C++ call takes it: its tensors, and the (ggml_type, rows) of each
+# GGUF pack (empty for panels).
+ProjectionArgs = tuple[list[torch.Tensor], list[int]]
+
+
+def projection_args(weight: torch.Tensor | BlockLinearWeight) -> ProjectionArgs:
+    """A projection's weight, in panels or GGUF blocks, as kernels/csrc/decoder_layer.cpp takes it."""
+    if isinstance(weight, BlockLinearWeight):
+        tensors = [tensor for pack in weight.packs for tensor in (pack.quants, pack.scales)]
+        return tensors, [value for pack in weight.packs for value in (pack.ggml_type, pack.shape[0])]
+    return [weight], []
 
 
 class FusedDecoderLayer:
@@ -36,33 +53,35 @@ class FusedDecoderLayer:
         self.scale = attention.attn.scale
         self.eps = layer.input_layernorm.eps
         self.rotary = attention.rotary_emb
-        self.weights = (
-            layer.input_layernorm.weight,
-            attention.qkv_proj.weight,
-            attention.qkv_proj.bias,
-            attention.o_proj.weight,
-            layer.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight,
-            mlp.down_proj.weight,
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.qkv_bias = attention.qkv_proj.bias
+        self.qkv, self.o, self.gate_up, self.down = (
+            projection_args(proj.weight)
+            for proj in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         )
+        # GGUF blocks are multiplied in one pass up to this many rows (kernels/quant_linear.py).
+        self.max_tokens = GEMV_MAX_ROWS if self.qkv[1] else None
 
     def __call__(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's (hidden, residual); None for a step of more tokens than it takes fused."""
+        if self.max_tokens is not None and hidden.shape[0] > self.max_tokens:
+            return None
         context = get_forward_context()
         meta = context.attn_metadata
-        input_norm, qkv, qkv_bias, o, post_norm, gate_up, down = self.weights
         return torch.ops.raypage.llama_decoder_layer(
             hidden,
             residual,
             positions,
-            input_norm,
-            qkv,
-            qkv_bias,
-            o,
-            post_norm,
-            gate_up,
-            down,
+            self.input_norm,
+            *self.qkv,
+            self.qkv_bias,
+            *self.o,
+            self.post_norm,
+            *self.gate_up,
+            *self.down,
             self.rotary.cos,
             self.rotary.sin,
             context.kv_caches[self.layer_index],
@@ -96,19 +115,23 @@ def fusable(
         return False
     if attention_backend is not cpu_paged_attention or attention.o_proj.tp_size != 1:
         return False
-    if not (
+    projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    in_panels = (
         _in_panels(attention.qkv_proj.weight)
         and _in_panels(attention.o_proj.weight)
         and _in_panels(mlp.gate_up_proj.weight, shards=2)
         and _in_panels(mlp.down_proj.weight)
-    ):
+    )
+    if not (in_panels or all(isinstance(proj.weight, BlockLinearWeight) for proj in projections)):
         return False
-    if any(proj.bias is not None for proj in (attention.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+    if any(proj.bias is not None for proj in projections[1:]):
         return False
     head_dim = attention.head_dim
     query = torch.empty(0, attention.num_heads, head_dim, dtype=torch.bfloat16)
     cache = torch.empty(2, attention.num_kv_heads, 0, block_size, head_dim, dtype=kv_cache_dtype)
-    return tiled_serves(query, cache)
+    # Where AMX attends, the layer-by-layer forward takes it for the whole batch: the C++ call
+    # would attend by other kernels, with other roundings.
+    return tiled_serves(query, cache) and not amx_serves(cache)
 
 
 def fuse_decoder_layers(

@@ -1,19 +1,37 @@
 """Decoder layers fused into one C++ call each (engine/models/fused_layers.py) produce exactly the
 tokens and log-probabilities of the layer-by-layer forward, through chunked prefills, prefix hits
-and decodes batched together, and are fused only where every operator has its CPU kernel."""
+and decodes batched together, with weights in bf16 panels or in GGUF blocks, and are fused only where
+every operator has its CPU kernel."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from engine import LLM, SamplingParams
+from kernels.attention.cpu_paged import amx_serves, tiled_serves
+from kernels.build import cpu_kernels_available
 from kernels.linear import panel_kernel_serves
+from tests.model.tiny_gguf import write_gguf
 from tests.model.tiny_models import write_tiny_model
 
-pytestmark = pytest.mark.skipif(
+needs_panels = pytest.mark.skipif(
     not panel_kernel_serves(), reason="the fused layer's kernels need AVX-512 BF16 without AMX"
 )
+
+
+def attention_fuses(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether a fused layer's attention runs here for head_dim 64 over a bf16 cache of blocks of 16."""
+    if not cpu_kernels_available():
+        return False
+    query = torch.empty(0, num_heads, 64, dtype=torch.bfloat16)
+    cache = torch.empty(2, num_kv_heads, 0, 16, 64, dtype=torch.bfloat16)
+    return tiled_serves(query, cache) and not amx_serves(cache)
+
 
 # 60 and 100 tokens take several chunks of 48; the last prompt repeats the second's first 48 tokens
 # (three whole blocks: a prefix hit).
@@ -31,26 +49,32 @@ def decoder_layers(llm: LLM) -> list:
     return list(runner.model.model.stage_layers)
 
 
+def small_bf16_llm(model: Path, max_num_batched_tokens: int) -> LLM:
+    """bf16, 64 blocks of 16 tokens, up to 4 sequences a step."""
+    return LLM(
+        str(model),
+        dtype="bfloat16",
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=4,
+    )
+
+
 def generate(llm: LLM) -> list[tuple[list[int], list]]:
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [(out.outputs[0].token_ids, out.outputs[0].logprobs) for out in outputs]
 
 
+@needs_panels
 @pytest.mark.parametrize("family", ["llama", "qwen2"], ids=["llama", "qwen2-qkv-bias"])
 def test_fused_layers_compute_what_the_layer_by_layer_forward_does(tmp_path, family):
     # head_dim 64 and a GQA group of 3, a shape the tiled prefill kernel is built for.
     folder = write_tiny_model(
         tmp_path / "model", family=family, hidden_size=192, intermediate_size=256, num_heads=3, num_kv_heads=1
     )
-    llm = LLM(
-        str(folder),
-        dtype="bfloat16",
-        num_kv_blocks=64,
-        block_size=16,
-        max_num_batched_tokens=48,
-        max_num_seqs=4,
-    )
+    llm = small_bf16_llm(folder, max_num_batched_tokens=48)
     layers = decoder_layers(llm)
     assert all(layer.fused is not None for layer in layers)
     fused = generate(llm)
@@ -60,6 +84,7 @@ def test_fused_layers_compute_what_the_layer_by_layer_forward_does(tmp_path, fam
     assert generate(llm) == fused
 
 
+@needs_panels
 def test_fused_layers_take_cascade_attention_as_the_layer_by_layer_forward_does(tmp_path):
     # 20 prompts sharing 144 tokens (9 blocks) of prefix: their decodes attend to it together.
     folder = write_tiny_model(
@@ -84,6 +109,7 @@ def test_fused_layers_take_cascade_attention_as_the_layer_by_layer_forward_does(
     assert fused_cascades == plain_cascades > 0
 
 
+@needs_panels
 def test_layers_whose_operators_lack_a_kernel_stay_unfused(tmp_path):
     folder = write_tiny_model(tmp_path / "model", hidden_size=192, num_heads=3, num_kv_heads=1)
     # float32 weights stay plain, not in panels; head_dim 16 has no tiled prefill kernel.
@@ -97,3 +123,56 @@ def test_layers_whose_operators_lack_a_kernel_stay_unfused(tmp_path):
     assert not any(
         layer.fused for layer in decoder_layers(LLM(str(small_heads), dtype="bfloat16", num_kv_blocks=16))
     )
+
+
+def _by_format(name: str) -> Q | None:
+    """The formats gguf-py writes; v in Q8_0 beside q and k in Q4_1, so the QKV projection holds two
+    packs, multiplied side by side."""
+    if name.endswith(("v_proj.weight", "gate_proj.weight", "up_proj.weight")):
+        return Q.Q8_0
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+        return Q.Q4_1
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return Q.Q4_0
+    return None
+
+
+@pytest.mark.skipif(not attention_fuses(4, 1), reason="no fused attention for this shape here")
+def test_layers_in_gguf_blocks_fused_compute_what_the_layer_by_layer_forward_does(tmp_path):
+    # head_dim 64 and a GQA group of 4, a shape the tiled prefill kernel is built for. Steps up to
+    # GEMV_MAX_ROWS (128) tokens run fused; the 150-token prompt's first chunk runs layer by layer,
+    # its products through dequantized panels, in both runs.
+    folder = write_tiny_model(
+        tmp_path / "model", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=1
+    )
+    config = json.loads((folder / "config.json").read_text())
+    path = write_gguf(folder, config, tmp_path / "model.gguf", _by_format)
+    llm = small_bf16_llm(path, max_num_batched_tokens=160)
+    try:
+        layers = decoder_layers(llm)
+        assert all(layer.fused is not None and layer.fused.max_tokens == 128 for layer in layers)
+        assert len(layers[0].fused.qkv[1]) == 4  # two packs: (Q4_1, 320 rows), (Q8_0, 64 rows)
+        prompts = [*PROMPTS, list(range(2000, 2150))]
+
+        def generate_counting_calls() -> tuple[list, int, int]:
+            params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+            with torch.profiler.profile() as profile:
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            calls = {e.key: e.count for e in profile.key_averages()}
+            results = [(out.outputs[0].token_ids, out.outputs[0].logprobs) for out in outputs]
+            return (
+                results,
+                calls.get("raypage::llama_decoder_layer", 0),
+                calls.get("raypage::quant_dequantize", 0),
+            )
+
+        fused, fused_calls, fused_panels = generate_counting_calls()
+        for layer in layers:
+            layer.fused = None
+        assert llm.reset_prefix_cache()
+        plain, plain_calls, plain_panels = generate_counting_calls()
+    finally:
+        llm.llm_engine.shutdown()
+    assert fused == plain
+    assert fused_calls > 0 and plain_calls == 0
+    assert fused_panels == plain_panels > 0  # the long chunk, layer by layer in both runs
