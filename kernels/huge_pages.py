@@ -12,11 +12,16 @@ on ordinary pages.
 
 The pages are allocated (and zeroed by the kernel) at their first write, or ahead of it by
 `prefault_in_background`: faulting in a cache of a GiB takes seconds, which a server would
-otherwise spend before it answers its first request.
+otherwise spend before it answers its first request. The background faults keep out of the steps'
+way: each huge page's fault costs a core (in a VM, the host's backing of the page too), and on two
+cores a step running beside them took three times as long (batch 1 right after start, 2026-12-06),
+so they run only while this process has run no step for `PREFAULT_IDLE_SECONDS`
+(`engine_step` marks the steps); a page a step writes first, it faults in itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -24,16 +29,20 @@ import math
 import mmap
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
-# What one call faults in: long enough that the calls cost nothing, short enough that an allocation
-# waiting for the memory map is not held up.
-PREFAULT_CHUNK_BYTES = 16 * HUGE_PAGE_BYTES
+# What one call faults in: a few huge pages, a few milliseconds, the longest a step that starts
+# meanwhile (or an allocation waiting for the memory map) waits for it.
+PREFAULT_CHUNK_BYTES = 4 * HUGE_PAGE_BYTES
+# How long after a step the background faults resume: longer than the host's work between two
+# steps, so that they run between requests, not between the steps of one.
+PREFAULT_IDLE_SECONDS = 0.05
 MADV_HUGEPAGE = 14  # <linux/mman.h>
 MADV_POPULATE_WRITE = 23
 
@@ -78,12 +87,55 @@ def zeros_on_huge_pages(*shape: int, dtype: torch.dtype, device: torch.device | 
 _PREFAULT_THREAD = "kv-prefault"
 
 
+class _StepActivity:
+    """Whether this process is running a step, and since when it is not."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._running = 0
+        self._last_end = -math.inf
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        with self._changed:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._running -= 1
+                self._last_end = time.monotonic()
+                self._changed.notify_all()
+
+    def wait_until_idle(self, idle_seconds: float) -> None:
+        """Return once no step runs and none has for `idle_seconds`."""
+        with self._changed:
+            while True:
+                if self._running:
+                    self._changed.wait()
+                    continue
+                left = self._last_end + idle_seconds - time.monotonic()
+                if left <= 0:
+                    return
+                self._changed.wait(left)
+
+
+_STEPS = _StepActivity()
+
+
+def engine_step() -> contextlib.AbstractContextManager[None]:
+    """Marks a step of the engine running in this process: background prefaults wait for it to end
+    and for `PREFAULT_IDLE_SECONDS` after it."""
+    return _STEPS.step()
+
+
 def prefault_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread:
     """Fault in the pages of the CPU `tensors` on a daemon thread, as a first write to each would,
     leaving their contents as they are: other threads may read and write them meanwhile (a page
     they touch first is simply faulted in by them). Rather than at a request's first write into each
-    page; without blocking the start-up, which would wait seconds per GiB of zeroed pages. Where the
-    kernel cannot (before Linux 5.14), the pages fault in at their first writes."""
+    page; without blocking the start-up, which would wait seconds per GiB of zeroed pages; and only
+    while no step runs (`engine_step`). Where the kernel cannot (before Linux 5.14), the pages
+    fault in at their first writes."""
     thread = threading.Thread(target=_prefault, args=(list(tensors),), name=_PREFAULT_THREAD, daemon=True)
     thread.start()
     return thread
@@ -114,10 +166,11 @@ def _prefault(tensors: list[torch.Tensor]) -> None:
 
 
 def _populate_in_chunks(address: int, length: int) -> int:
-    """`_populate` a few huge pages at a time: faulting in holds the process's memory map, which every
-    new mapping (a large tensor the engine allocates for its first requests) would otherwise wait
-    for until the whole tensor is in."""
+    """`_populate` a few huge pages at a time, while the engine idles: faulting in holds the process's
+    memory map, which every new mapping (a large tensor the engine allocates for its first requests)
+    would otherwise wait for until the whole tensor is in, and takes a core from the steps."""
     for start in range(0, length, PREFAULT_CHUNK_BYTES):
+        _STEPS.wait_until_idle(PREFAULT_IDLE_SECONDS)
         error = _populate(address + start, min(PREFAULT_CHUNK_BYTES, length - start))
         if error:
             return error

@@ -70,7 +70,7 @@ class CacheEngine:
             for layer, (kv_heads, width) in rows.items()
             if num_cpu_blocks
         }
-        # The engine answers while the pages fault in behind it (seconds per GiB). Started after the
+        # The engine answers while the pages fault in between its steps (seconds per GiB). Started after the
         # host pool's allocation: faulting in holds the process's memory map, and each mapping of a
         # new tensor would wait for it.
         prefault_in_background(list(self.kv_caches.values()))

@@ -26,6 +26,7 @@ from engine.worker.memory import (
 )
 from engine.worker.model_runner import ModelRunner
 from kernels.host_malloc import keep_freed_host_memory
+from kernels.huge_pages import engine_step
 from parallel.comm import take_comm_times
 from parallel.state import get_parallel_state, init_model_parallel
 
@@ -165,11 +166,12 @@ class Worker:
     ) -> ModelRunnerOutput | None:
         """One step; `grammar_bitmask`, the step's grammar masks still being computed (an in-process
         worker), is waited for only when the step samples."""
-        if scheduler_output.has_block_moves:
-            self.cache_engine.move_blocks(scheduler_output)
-            if self.model_runner.draft is not None:
-                self.model_runner.draft.move_blocks(scheduler_output)
-        output = self.model_runner.execute_model(scheduler_output, grammar_bitmask)
+        with engine_step():  # the KV cache's background page faults wait
+            if scheduler_output.has_block_moves:
+                self.cache_engine.move_blocks(scheduler_output)
+                if self.model_runner.draft is not None:
+                    self.model_runner.draft.move_blocks(scheduler_output)
+            output = self.model_runner.execute_model(scheduler_output, grammar_bitmask)
         return output if get_parallel_state().is_driver else None
 
     def communication_stats(self) -> dict[str, tuple[float, int]]:

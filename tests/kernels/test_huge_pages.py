@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.huge_pages import HUGE_PAGE_BYTES, prefault_in_background, zeros_on_huge_pages
+from kernels.huge_pages import HUGE_PAGE_BYTES, engine_step, prefault_in_background, zeros_on_huge_pages
 
 
 @pytest.mark.parametrize("elements", [1000, 3 * HUGE_PAGE_BYTES // 2 + 777])  # under one huge page; several
@@ -32,3 +32,16 @@ def test_prefault_keeps_what_was_written_before_and_during_it():
     assert not thread.is_alive()
     assert cache.sum().item() == 7 * 2.0 + 3 * 5.0
     assert torch.count_nonzero(cache) == 10
+
+
+def test_prefault_waits_while_a_step_runs():
+    # The faults take a core the step's threads need: they run between steps, not beside them.
+    cache = zeros_on_huge_pages(2, HUGE_PAGE_BYTES, dtype=torch.bfloat16)
+    with engine_step():
+        thread = prefault_in_background([cache])
+        cache[1, -1] = 4.0
+        thread.join(timeout=0.5)
+        assert thread.is_alive()  # waiting for the step to end
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert cache.sum().item() == 4.0
