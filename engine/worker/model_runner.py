@@ -1,7 +1,10 @@
 """Runs one step on one worker: scheduler deltas in, flat model inputs built, forward, sample.
 
 Order within a batch: requests with a single query token (decodes) first, longest first, then
-prefill chunks, so that attention backends can batch decodes of similar length together.
+sequences verifying speculative drafts, then prefill chunks, so that attention backends can batch
+decodes of similar length together. On the CPU each row of a sequence verifying drafts is attended
+as a decode of its own (the context up to its position): the decode kernel's sums, so that its
+tokens are those decoding one at a time would give, where the prefill kernel adds in another order.
 """
 
 from __future__ import annotations
@@ -112,15 +115,15 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
         order = self._batch_order(num_scheduled)
-        input_ids, positions, meta, logits_rows = self._prepare_inputs(order, num_scheduled)
+        input_ids, positions, meta, query_start_loc, logits_rows = self._prepare_inputs(order, num_scheduled)
         hidden = self._forward(input_ids, positions, meta, self._lora_batch(order, num_scheduled))
         if not get_parallel_state().is_last_stage:
             self._advance(order, num_scheduled)
             return ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
         states = [self.input_batch.seqs[order[i]] for i in logits_rows]
-        query_ends = [meta.query_start_loc[i + 1] - 1 for i in logits_rows]
+        query_ends = [query_start_loc[i + 1] - 1 for i in logits_rows]
         rows = sample_rows(states, query_ends, scheduler_output.scheduled_spec_decode_tokens)
-        prompt_rows = self._prompt_logprob_rows(order, meta)
+        prompt_rows = self._prompt_logprob_rows(order, query_start_loc)
         # One LM-head pass for the sampling rows and any prompt positions asking for log-probabilities.
         logit_indices = [row.hidden_index for row in rows]
         logit_indices += [index for _, indices, _ in prompt_rows for index in indices]
@@ -239,19 +242,23 @@ class ModelRunner:
             batch.set_blocks(state, table_start, new_blocks)
 
     def _batch_order(self, num_scheduled: dict[str, int]) -> list[str]:
-        """Decodes first, longest first (attention batches them in runs of similar length), then prefills."""
+        """Decodes first, longest first (attention batches them in runs of similar length), then
+        sequences with drafts, then prefills."""
         seqs = self.input_batch.seqs
         decodes = sorted(
             (seq_id for seq_id, n in num_scheduled.items() if n == 1),
             key=lambda seq_id: seqs[seq_id].num_computed_tokens,
             reverse=True,
         )
-        return decodes + [seq_id for seq_id, n in num_scheduled.items() if n > 1]
+        longer = [seq_id for seq_id, n in num_scheduled.items() if n > 1]
+        drafted = [seq_id for seq_id in longer if seq_id in self._drafts]
+        return decodes + drafted + [seq_id for seq_id in longer if seq_id not in self._drafts]
 
     def _prepare_inputs(
         self, order: list[str], num_scheduled: dict[str, int]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat input ids and positions, the attention metadata, and which requests sample."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+        """Flat input ids and positions, the attention metadata, each sequence's first token row
+        (and the end), and which sequences sample."""
         states = [self.input_batch.seqs[seq_id] for seq_id in order]
         query_lens = np.array([num_scheduled[seq_id] for seq_id in order], dtype=np.int64)
         starts = np.array([state.num_computed_tokens for state in states], dtype=np.int64)
@@ -265,6 +272,13 @@ class ModelRunner:
             positions % self.block_size
         )
         drafts = [self._drafts.get(seq_id, ()) for seq_id in order]
+        num_decodes = int(np.count_nonzero(query_lens == 1))
+        attended = (query_start_loc, seq_lens, block_table, num_decodes)
+        num_drafted = sum(1 for seq_drafts in drafts if seq_drafts)
+        if num_drafted and self.device.type == "cpu":
+            attended = _drafted_rows_as_decodes(
+                query_start_loc, seq_lens, block_table, num_decodes, num_drafted
+            )
         input_ids = np.fromiter(
             (
                 token
@@ -279,16 +293,18 @@ class ModelRunner:
         logits_rows = [
             i for i, state in enumerate(states) if seq_lens[i] == len(state.token_ids) + len(drafts[i])
         ]
+        attended_starts, attended_lens, attended_table, attended_decodes = attended
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
-            block_table=self._to_device(block_table),
-            seq_lens=self._to_device(seq_lens),
-            query_start_loc=query_start_loc.tolist(),
-            seq_lens_list=seq_lens.tolist(),
-            num_decodes=int(np.count_nonzero(query_lens == 1)),
+            block_table=self._to_device(attended_table),
+            seq_lens=self._to_device(attended_lens),
+            query_start_loc=attended_starts.tolist(),
+            seq_lens_list=attended_lens.tolist(),
+            num_decodes=attended_decodes,
             block_size=self.block_size,
         )
-        return self._to_device(input_ids), self._to_device(positions), meta, logits_rows
+        starts_list = query_start_loc.tolist()
+        return self._to_device(input_ids), self._to_device(positions), meta, starts_list, logits_rows
 
     def _sampling_metadata(self, rows: list[SampleRow]) -> SamplingMetadata:
         meta = build_sampling_metadata(
@@ -331,7 +347,7 @@ class ModelRunner:
         return results
 
     def _prompt_logprob_rows(
-        self, order: list[str], meta: AttentionMetadata
+        self, order: list[str], query_start_loc: list[int]
     ) -> list[tuple[WorkerSequenceState, list[int], list[int]]]:
         """(state, hidden rows, next prompt tokens) of every prompt position this step computes for
         a sequence that asked for prompt log-probabilities (position p predicts prompt token p+1)."""
@@ -339,10 +355,10 @@ class ModelRunner:
         for i, seq_id in enumerate(order):
             state = self.input_batch.seqs[seq_id]
             start = state.num_computed_tokens
-            end = min(start + meta.query_len(i), state.num_prompt_tokens - 1)
+            end = min(start + query_start_loc[i + 1] - query_start_loc[i], state.num_prompt_tokens - 1)
             if state.num_prompt_logprobs is None or start >= end:
                 continue
-            first_row = meta.query_start_loc[i]
+            first_row = query_start_loc[i]
             rows.append(
                 (
                     state,
@@ -426,3 +442,28 @@ class ModelRunner:
         """(kv_heads, head_dim) of each layer this worker holds, by global layer index."""
         attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         return {layer.layer_index: (layer.num_kv_heads, layer.head_dim) for layer in attn_layers}
+
+
+def _drafted_rows_as_decodes(
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    num_decodes: int,
+    num_drafted: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The attention's view of a batch whose `num_drafted` sequences after its `num_decodes` decodes
+    verify drafts: each of their rows a decode of its own, over its sequence's blocks up to its
+    position. Returns (query_start_loc, seq_lens, block_table, num_decodes) of that view."""
+    drafted = slice(num_decodes, num_decodes + num_drafted)
+    query_lens = np.diff(query_start_loc)[drafted]
+    owner = np.repeat(np.arange(num_decodes, num_decodes + num_drafted), query_lens)
+    # Row r of a sequence of query_len q and seq_len L sees L - q + r + 1 tokens.
+    row_in_seq = np.arange(owner.size) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+    row_lens = seq_lens[owner] - np.repeat(query_lens, query_lens) + row_in_seq + 1
+    rest = np.arange(num_decodes + num_drafted, seq_lens.size)
+    entries = np.concatenate((np.arange(num_decodes), owner, rest))
+    lens = np.concatenate((seq_lens[:num_decodes], row_lens, seq_lens[rest]))
+    num_rows = num_decodes + owner.size  # one query row each
+    entry_query_lens = np.concatenate((np.ones(num_rows, dtype=np.int64), np.diff(query_start_loc)[rest]))
+    starts = np.concatenate(([0], np.cumsum(entry_query_lens)))
+    return starts, lens, block_table[entries], num_rows
