@@ -251,8 +251,8 @@ class ModelRunner:
             reverse=True,
         )
         longer = [seq_id for seq_id, n in num_scheduled.items() if n > 1]
-        drafted = [seq_id for seq_id in longer if seq_id in self._drafts]
-        return decodes + drafted + [seq_id for seq_id in longer if seq_id not in self._drafts]
+        drafted = [seq_id for seq_id in longer if self._drafts.get(seq_id)]
+        return decodes + drafted + [seq_id for seq_id in longer if not self._drafts.get(seq_id)]
 
     def _prepare_inputs(
         self, order: list[str], num_scheduled: dict[str, int]
