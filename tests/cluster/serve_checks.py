@@ -88,10 +88,11 @@ def assert_a_closed_stream_aborts(base_url: str, client: openai.OpenAI) -> None:
     chunks = iter(stream)
     next(chunks), next(chunks)  # generating now
     stream.close()
-    # A separate ingress polls the replica's metrics every second.
+    # A separate ingress polls the replica's metrics every second, and a poll may fall between the
+    # abort's count (sent with the step that was running, which still counted the request) and the
+    # core's next report: wait for both.
+    names = (aborted, "raypage:num_requests_running", "raypage:kv_cache_usage_perc")
     deadline = time.monotonic() + 10
-    while metric(base_url, aborted) == aborted_before and time.monotonic() < deadline:
+    while (values := [metric(base_url, name) for name in names]) != [aborted_before + 1, 0, 0]:
+        assert time.monotonic() < deadline, f"{dict(zip(names, values, strict=True))} after the stream closed"
         time.sleep(0.2)
-    assert metric(base_url, aborted) == aborted_before + 1
-    assert metric(base_url, "raypage:num_requests_running") == 0
-    assert metric(base_url, "raypage:kv_cache_usage_perc") == 0

@@ -25,12 +25,15 @@ ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs"
 PROMPT = "Once upon a time"
 # The tiny model has no end-of-sequence token: every request generates exactly max_tokens.
 MAX_TOKENS = 12
+LONG_TOKENS = 4000
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     folder = tmp_path_factory.mktemp("tiny-load")
-    model = write_tiny_model(folder / "model")
+    # Room for requests longer than clients stay: on a fast machine the tiny model decodes 400
+    # tokens in about a second, close to how long a busy server may take to see a client leave.
+    model = write_tiny_model(folder / "model", max_position_embeddings=LONG_TOKENS + 64)
     args = [
         *("--model", str(model), "--served-model-name", MODEL, "--disable-access-log"),
         "--enable-prompt-tokens-details",  # for the bench's prefix-cache hit rate
@@ -78,7 +81,9 @@ def test_64_concurrent_streams_complete(server: RemoteServer) -> None:
 
 def test_clients_leaving_mid_stream_free_their_requests(server: RemoteServer) -> None:
     async def leave_after_first_chunk(client: openai.AsyncOpenAI) -> None:
-        stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, stream=True)
+        stream = await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=LONG_TOKENS, stream=True
+        )
         async for _ in stream:
             break
         await stream.close()  # drops the connection
@@ -91,7 +96,7 @@ def test_clients_leaving_mid_stream_free_their_requests(server: RemoteServer) ->
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as raw:
-            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400}
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG_TOKENS}
             # Clients waiting for whole responses, cancelled (their connections dropped) once their
             # requests run, hundreds of steps before they could finish.
             waiting = [asyncio.create_task(raw.post("/v1/completions", json=body)) for _ in range(4)]
@@ -195,7 +200,7 @@ def test_bench_serve_prefix_groups_reports_the_prefix_cache_hit_rate(server: Rem
 
 
 def test_dead_engine_core_fails_requests_fast(server: RemoteServer) -> None:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG_TOKENS}
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
