@@ -517,12 +517,14 @@ struct QuantizedActivations {
   std::vector<float> scales;      // [M, blocks]
   std::vector<int32_t> sums;      // [M, blocks]
   std::vector<int32_t> low_sums;  // [M, blocks]: the sums of each block's first 16 quants
+  std::vector<float> scaled_sums;  // [M, blocks]: scale times sum, what a format's min is multiplied by
   int64_t in_features, blocks;
 
   const int8_t* block_quants(int64_t m, int64_t b) const { return quants.data() + m * in_features + b * kBlock; }
   float scale(int64_t m, int64_t b) const { return scales[m * blocks + b]; }
   int32_t sum(int64_t m, int64_t b) const { return sums[m * blocks + b]; }
   int32_t low_sum(int64_t m, int64_t b) const { return low_sums[m * blocks + b]; }
+  float scaled_sum(int64_t m, int64_t b) const { return scaled_sums[m * blocks + b]; }
 };
 
 // Rows are kept to a multiple of 16, the padding zeros (quants, scales and sums alike): the AMX path
@@ -534,8 +536,8 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t in_f
   const int64_t blocks = in_features / kBlock;
   const int64_t padded = (rows + kPaddedRows - 1) / kPaddedRows * kPaddedRows;
   QuantizedActivations a{std::vector<int8_t>(padded * in_features), std::vector<float>(padded * blocks),
-                         std::vector<int32_t>(padded * blocks), std::vector<int32_t>(padded * blocks), in_features,
-                         blocks};
+                         std::vector<int32_t>(padded * blocks), std::vector<int32_t>(padded * blocks),
+                         std::vector<float>(padded * blocks), in_features, blocks};
   at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* src = x + i * kBlock;
@@ -556,6 +558,7 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t in_f
       }
       a.scales[i] = d;
       a.sums[i] = sum;
+      a.scaled_sums[i] = d * static_cast<float>(sum);
     }
   });
   return a;
@@ -617,6 +620,20 @@ inline __m512 half_dot(const __m512i* w, const int8_t* x, int32_t offset) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(offset)));
 }
 
+// Lane r: row r's 32 quants (load_weights' vectors) times the activation's 32, an integer dot in two
+// chains of 4.
+inline __m512i block_dot(const __m512i* w, const int8_t* x) {
+  __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) {
+    int32_t low_word, high_word;
+    std::memcpy(&low_word, x + j * kWordBytes, kWordBytes);
+    std::memcpy(&high_word, x + 16 + j * kWordBytes, kWordBytes);
+    low = _mm512_dpbusd_epi32(low, w[j], _mm512_set1_epi32(low_word));
+    high = _mm512_dpbusd_epi32(high, w[j + 4], _mm512_set1_epi32(high_word));
+  }
+  return _mm512_add_epi32(low, high);
+}
+
 template <int64_t F, int MC>
 void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
                 float (*sums)[kGroupRows]) {
@@ -637,14 +654,21 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
                       : second;
     for (int i = 0; i < MC; ++i) {
       const int8_t* x = a.block_quants(m0 + i, b);
-      const int32_t sum = a.sum(m0 + i, b), low_sum = a.low_sum(m0 + i, b);
-      const __m512 low = half_dot(w, x, kIntegerOffset<F> * low_sum);
-      const __m512 high = half_dot(w + 4, x + 16, kIntegerOffset<F> * (sum - low_sum));
-      const __m512 dot = F == kQ6_K ? _mm512_add_ps(_mm512_mul_ps(low, second), _mm512_mul_ps(high, third))
-                                    : _mm512_add_ps(low, high);
+      const int32_t sum = a.sum(m0 + i, b);
+      __m512 dot;
+      if constexpr (F == kQ6_K) {  // two sub-scales: each half of the block on its own
+        const int32_t low_sum = a.low_sum(m0 + i, b);
+        const __m512 low = half_dot(w, x, kIntegerOffset<F> * low_sum);
+        const __m512 high = half_dot(w + 4, x + 16, kIntegerOffset<F> * (sum - low_sum));
+        dot = _mm512_add_ps(_mm512_mul_ps(low, second), _mm512_mul_ps(high, third));
+      } else if constexpr (kIntegerOffset<F> != 0) {
+        dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(block_dot(w, x), _mm512_set1_epi32(kIntegerOffset<F> * sum)));
+      } else {
+        dot = _mm512_cvtepi32_ps(block_dot(w, x));
+      }
       const float dx = a.scale(m0 + i, b);
       acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(dx)), acc[i]);
-      if constexpr (kHasMin<F>) acc[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx * static_cast<float>(sum)), acc[i]);
+      if constexpr (kHasMin<F>) acc[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(a.scaled_sum(m0 + i, b)), acc[i]);
     }
   }
   for (int i = 0; i < MC; ++i) _mm512_storeu_ps(sums[i], acc[i]);
@@ -723,12 +747,12 @@ void amx_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAct
             _mm512_cvtepi32_ps(_mm512_sub_epi32(high, _mm512_set1_epi32(kIntegerOffset<F> * (sum - low_sum))));
         dot = _mm512_add_ps(_mm512_mul_ps(low_dot, second), _mm512_mul_ps(high_dot, third));
       } else {
-        // One integer dot for the whole block: the sum of gemv_group's two exact halves.
+        // One integer dot for the whole block, as gemv_group's block_dot.
         dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(first, _mm512_set1_epi32(kIntegerOffset<F> * sum)));
       }
       const float dx = a.scale(m0 + i, b);
       acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(dx)), acc[i]);
-      if constexpr (kHasMin<F>) acc[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx * static_cast<float>(sum)), acc[i]);
+      if constexpr (kHasMin<F>) acc[i] = _mm512_fmadd_ps(min, _mm512_set1_ps(a.scaled_sum(m0 + i, b)), acc[i]);
     }
   }
   for (int i = 0; i < kAmxRows; ++i) _mm512_storeu_ps(sums[i], acc[i]);
@@ -823,7 +847,7 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
         const float dx = a.scale(m0 + i, b);
         acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[i]);
         if constexpr (kHasMin<F>)
-          acc[i] = _mm256_fmadd_ps(min, _mm256_set1_ps(dx * static_cast<float>(sum)), acc[i]);
+          acc[i] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.scaled_sum(m0 + i, b)), acc[i]);
       }
     }
     for (int i = 0; i < MC; ++i) _mm256_storeu_ps(sums[i] + half * 8, acc[i]);
@@ -864,7 +888,7 @@ void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedAc
         if constexpr (kHasMin<F>) {
           const float min = F == kQ4_1 ? slot_value<F>(halves, ints, 1, r)
                                        : -(slot_value<F>(halves, ints, 2, r) * slot_value<F>(halves, ints, 3, r));
-          sums[i][r] += min * (dx * static_cast<float>(a.sum(m0 + i, b)));
+          sums[i][r] += min * a.scaled_sum(m0 + i, b);
         }
       }
     }
@@ -894,16 +918,17 @@ bool use_tiles(int64_t rows) {
 #endif
 }
 
-// All activation rows against one group, a pass over the group's weights per kRowsPerPass rows, or
-// per 16 on the AMX path (`tiles`); the weights stay in L1/L2 after the first pass, so memory is read
-// once a call. Each output is the float32 sum plus the bias (float32, or null), rounded once to T.
+// Activation rows [row_begin, row_end) against one group, a pass over the group's weights per
+// kRowsPerPass rows, or per 16 on the AMX path (`tiles`); the weights stay in L1/L2 after the first
+// pass. Each output is the float32 sum plus the bias (float32, or null), rounded once to T.
 template <int64_t F, typename T>
-void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t rows,
-                   bool tiles, int64_t first_out, int64_t valid_out, const float* bias, int64_t out_features, T* out) {
+void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t row_begin,
+                   int64_t row_end, bool tiles, int64_t first_out, int64_t valid_out, const float* bias,
+                   int64_t out_features, T* out) {
   float sums[kPaddedRows][kGroupRows];
   const int64_t pass_rows = tiles ? kPaddedRows : kRowsPerPass;
-  for (int64_t m0 = 0; m0 < rows; m0 += pass_rows) {
-    const int64_t count = std::min<int64_t>(pass_rows, rows - m0);
+  for (int64_t m0 = row_begin; m0 < row_end; m0 += pass_rows) {
+    const int64_t count = std::min<int64_t>(pass_rows, row_end - m0);
 #if defined(RAYPAGE_QUANT_AMX)
     if (tiles)
       amx_group<F>(quants, scales, a, m0, sums);
@@ -916,6 +941,15 @@ void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const Quantize
         row[r] = static_cast<T>(bias ? sums[i][r] + bias[first_out + r] : sums[i][r]);
     }
   }
+}
+
+// Activation rows a thread takes against all its groups before the next rows: as many as keep their
+// quants within kSpanBytes, a multiple of the AMX path's 16 (128 rows of 8192 features, 1 MiB of
+// quants, would leave the L2 for each group).
+constexpr int64_t kSpanBytes = 256 << 10;
+
+int64_t row_span(int64_t in_features) {
+  return std::max<int64_t>(kPaddedRows, kSpanBytes / in_features / kPaddedRows * kPaddedRows);
 }
 
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, int64_t format,
@@ -942,14 +976,19 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::T
     constexpr int64_t F = decltype(format_tag)::value;
     const QuantizedActivations a = quantize_activations(xs, rows, in_features);
     const bool tiles = use_tiles(rows);
-    // Grain 1: parallel_for splits the groups into one equal range per thread.
+    const int64_t span = row_span(in_features);
+    // Grain 1: parallel_for splits the groups into one equal range per thread. Each thread takes
+    // its groups a span of rows at a time, the span's activation quants staying in its L2 while the
+    // groups' weights stream past.
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
 #if defined(RAYPAGE_QUANT_AMX)
       if (tiles) configure_quant_tiles();
 #endif
-      for (int64_t g = begin; g < end; ++g)
-        gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, a, rows, tiles, g * kGroupRows,
-                         std::min(kGroupRows, out_features - g * kGroupRows), b, out_features, o);
+      for (int64_t row_begin = 0; row_begin < rows; row_begin += span)
+        for (int64_t g = begin; g < end; ++g)
+          gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, a, row_begin,
+                           std::min(rows, row_begin + span), tiles, g * kGroupRows,
+                           std::min(kGroupRows, out_features - g * kGroupRows), b, out_features, o);
     });
   };
   dispatch_format(format, [&](auto format_tag) {
