@@ -35,12 +35,18 @@ def greedy_sequences(llm: LLM, prompts: list[str], max_tokens: int) -> list[list
     return [list(output.prompt_token_ids) + list(output.outputs[0].token_ids) for output in outputs]
 
 
-def agreement_up_to_near_ties(reference: list[list[dict]], other: list[list[dict]]) -> float:
+def agreement_up_to_near_ties(
+    reference: list[list[dict]], other: list[list[dict]], *, decided_only: bool = False
+) -> float:
     """The share of positions where `other` picks `reference`'s top token; where it picks another,
-    that token must be a near tie among `reference`'s top 5 (a misplaced weight would not be)."""
+    that token must be a near tie among `reference`'s top 5 (a misplaced weight would not be).
+    `decided_only`: among the positions whose top two tokens `reference` does not tie exactly (its
+    bf16 logits often do, and then its pick is the lower id, not the model's)."""
     pairs = [
         (a, b) for want, have in zip(reference, other, strict=True) for a, b in zip(want, have, strict=True)
     ]
+    if decided_only:
+        pairs = [(one, two) for one, two in pairs if not _top_two_tied(one)]
     agreeing = 0
     for one, two in pairs:
         best_one, best_two = best_token(one), best_token(two)
@@ -48,3 +54,8 @@ def agreement_up_to_near_ties(reference: list[list[dict]], other: list[list[dict
         if best_one != best_two:
             assert best_two in one and one[best_one].logprob - one[best_two].logprob <= NEAR_TIE, (one, two)
     return agreeing / len(pairs)
+
+
+def _top_two_tied(position: dict) -> bool:
+    first, second = sorted(position.values(), key=lambda logprob: logprob.rank)[:2]
+    return first.logprob == second.logprob
