@@ -8,19 +8,21 @@ the weight bytes each step reads, about as much time. Here they stay quantized:
   vector instruction multiplies 4 quants of 16 rows by 4 activation values (the C++ file describes
   the layout); it takes as many bytes as the file (Q4_K and Q5_K 2.8% and 2.3% more: their 6-bit
   sub-scales and mins a byte each).
-- `quantized_linear` multiplies by it. Up to `GEMV_MAX_ROWS` rows (decoding, small prefills) the
-  activations are quantized to int8 per block of 32 with a float32 scale, as llama.cpp does, and
-  every output is a sum of exact integer dot products times the two scales: the weight is streamed
-  from memory once for all the rows. Above that (prefill) panels of the weight are dequantized, to bf16 for bf16
-  activations and to float32 otherwise, and multiplied with torch's matmul: the dequantized
-  weight's product up to summation order (and bf16's rounding of the weight).
+- `quantized_linear` multiplies by it. On the int8 path (`gemv_serves`: decoding, and prefill
+  chunks too but where the kernel runs on AMX tiles) the activations are quantized to int8 per
+  block of 32 with a float32 scale, as llama.cpp does, and every output is a sum of exact integer
+  dot products times the two scales: the weight is streamed from memory once for all the rows (a
+  span of rows at a time). Otherwise (`panel_matmul`) panels of the weight are dequantized, to
+  bf16 for bf16 activations and to float32 otherwise, and multiplied with torch's matmul: the
+  dequantized weight's product up to summation order (and bf16's rounding of the weight).
 
-The decode path's only error beyond float32 rounding is the activations' int8 rounding: at most
+The int8 path's only error beyond float32 rounding is the activations' int8 rounding: at most
 half a step of max|x| / 127 per value of each block of 32.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +40,11 @@ _FORMATS = {
     "Q6_K": (14, 256, 210),
 }
 _NAMES = {ggml_type: name for name, (ggml_type, _, _) in _FORMATS.items()}
-# Rows up to which the int8 dot-product kernel is faster than bf16 panels and torch's matmul: timed
-# one against the other on a Xeon with AVX512-VNNI and AMX, two threads, Q4_1 2048 -> 2048, they
-# break even at 128 rows (2.4 ms and 2.3 ms), the kernel is 1.5x faster at 64 and 4x at 16.
+# Rows up to which the int8 dot-product kernel on AMX tiles is faster than bf16 panels and torch's
+# matmul on AMX: timed one against the other on a Xeon, two threads, Q4_1 2048 -> 2048, they break
+# even at 128 rows (2.4 ms and 2.3 ms), the kernel is 1.5x faster at 64 and 4x at 16. Without AMX
+# the kernel (AVX-512 VNNI) is the faster at any number of rows: on a Zen 4 EPYC, two threads,
+# Q4_K 2048 <-> 8192 at 512 and 2048 rows, 1.2-1.3x the panels' speed (AVX-512 BF16).
 GEMV_MAX_ROWS = 128
 # A dequantized panel: about the two cores' L2 (2 MiB each here), and never narrower than 256 rows,
 # below which torch's matmul runs far slower on long rows (8192 -> 2048: 64 rows took 6x as long).
@@ -145,19 +149,30 @@ def quantized_linear(
     if x.shape[-1] != in_features:
         raise ValueError(f"x ends in {x.shape[-1]} features, the weight takes {in_features}")
     rows = x.reshape(-1, in_features)
-    if rows.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+    if gemv_serves(rows.shape[0], x.dtype):
         out = torch.ops.raypage.quant_gemv(
             rows, weight.quants, weight.scales, weight.ggml_type, out_features, bias
         )
     else:
-        out = _panel_matmul(rows, weight)
+        out = panel_matmul(rows, weight)
         if bias is not None:
             out += bias
         out = out.to(x.dtype)
     return out.reshape(*x.shape[:-1], out_features)
 
 
-def _panel_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def gemv_serves(rows: int, dtype: torch.dtype) -> bool:
+    """Whether `quantized_linear` takes the int8 path for `rows` rows of `dtype` activations:
+    float32 or bf16, and at most GEMV_MAX_ROWS rows where the kernel runs on AMX tiles."""
+    return dtype in (torch.float32, torch.bfloat16) and (rows <= GEMV_MAX_ROWS or not _gemv_uses_tiles())
+
+
+@functools.cache
+def _gemv_uses_tiles() -> bool:
+    return torch.ops.raypage.quant_gemv_uses_tiles()
+
+
+def panel_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x [M, in] @ weight.T in float32, one dequantized panel of rows at a time: only a panel is
     ever widened, into one buffer that is still in cache when the matmul reads it. bf16 activations
     get bf16 panels (the CPU's bf16 matmul, AMX where it has it, with float32 sums): the weight's

@@ -4,9 +4,11 @@
 //   Repacks a weight's GGUF blocks (each row whole blocks, as stored in the file) into the layout
 //   below, once at load.
 // torch.ops.raypage.quant_gemv(x [M, in], quants, scales, ggml_type, out_features, bias=None) -> [M, out]
-//   The decode path: x (float32 or bf16) quantized to int8 once per call, int8 dot products (AMX
-//   int8 tiles for 16 rows or more where the CPU has them, else AVX-512 VNNI or AVX2), the weight
-//   streamed once for all M rows; float32 sums plus the bias, rounded once to x's dtype.
+//   The decode path, and prefill's where the CPU has no AMX: x (float32 or bf16) quantized to int8
+//   once per call, int8 dot products (AMX int8 tiles for 16 rows or more where the CPU has them,
+//   else AVX-512 VNNI or AVX2), the weight streamed once for a span of rows; float32 sums plus the
+//   bias, rounded once to x's dtype.
+// torch.ops.raypage.quant_gemv_uses_tiles() -> bool: whether quant_gemv runs on AMX tiles here.
 // torch.ops.raypage.quant_dequantize(quants, scales, ggml_type, first_row, out [in, rows] float32 or bf16)
 //   Rows of the weight's values, transposed, as gguf.quants.dequantize gives them (rounded to bf16
 //   for a bf16 out); the prefill path multiplies panels of these.
@@ -944,13 +946,18 @@ void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const Quantize
 }
 
 // Activation rows a thread takes against all its groups before the next rows: as many as keep their
-// quants within kSpanBytes, a multiple of the AMX path's 16 (128 rows of 8192 features, 1 MiB of
-// quants, would leave the L2 for each group).
+// quants within kSpanBytes, a multiple of the AMX path's 16 (a prefill chunk's, or even 128 rows of
+// 8192 features, 1 MiB of quants, would leave the L2 for each group).
 constexpr int64_t kSpanBytes = 256 << 10;
 
 int64_t row_span(int64_t in_features) {
   return std::max<int64_t>(kPaddedRows, kSpanBytes / in_features / kPaddedRows * kPaddedRows);
 }
+
+// Whether the int8 kernel multiplies by AMX tiles here: only then does it cede prefill chunks to
+// bf16 panels (torch's matmul on AMX-BF16), which beat it above GEMV_MAX_ROWS rows; on VNNI or AVX2
+// alone it is the faster path at any number of rows.
+bool quant_gemv_uses_tiles() { return use_tiles(kPaddedRows); }
 
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales, int64_t format,
                       int64_t out_features, const std::optional<at::Tensor>& bias) {
@@ -1010,6 +1017,7 @@ TORCH_LIBRARY_FRAGMENT(raypage, m) {
   m.def(
       "quant_dequantize(Tensor quants, Tensor scales, int ggml_type, int first_row, Tensor(a!) out) -> ()");
   m.def("quant_embedding(Tensor quants, Tensor scales, int ggml_type, Tensor ids, Tensor(a!) out) -> ()");
+  m.def("quant_gemv_uses_tiles() -> bool", &quant_gemv_uses_tiles);
 }
 
 TORCH_LIBRARY_IMPL(raypage, CPU, m) {

@@ -4,7 +4,7 @@ K-quants, which gguf does not quantize, random blocks.
 
 Tolerances, derived rather than tuned:
 
-- The decode path (up to GEMV_MAX_ROWS rows) rounds each activation to a multiple of its block's
+- The int8 path (decoding; prefill chunks too where the kernel has no AMX tiles) rounds each activation to a multiple of its block's
   max|x| / 127, an error of at most max|x| / 254 per value; so output n of row m is off by at most
   sum over blocks b of (max|x_b| / 254) * sum over i in b of |W[n, i]|. That bound holds for every
   format (the weight's own quantization is in the reference already), and is checked with a margin
@@ -32,7 +32,9 @@ from kernels.quant_linear import (
     QuantizedWeight,
     dequantize,
     embedding_rows,
+    gemv_serves,
     pack_gguf_weight,
+    panel_matmul,
     quantized_linear,
     supported_ggml_types,
 )
@@ -142,7 +144,7 @@ def test_random_activations_within_their_quantization_bound(
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
     error = (quantized_linear(x, packed(ggml_type, shape)).double() - x.double() @ weight.T).abs()
     allowed = float32_bound(x, weight)
-    if rows <= GEMV_MAX_ROWS:
+    if gemv_serves(rows, x.dtype):
         allowed += activation_bound(x, weight)
     assert (error <= allowed).all(), f"{(error - allowed).max().item()} over the bound"
 
@@ -160,7 +162,8 @@ def test_int8_activations_exact_up_to_float32_order(ggml_type: T, shape: tuple[i
 @pytest.mark.parametrize("rows", [100, GEMV_MAX_ROWS])
 def test_rows_in_several_spans(ggml_type: T, rows: int) -> None:
     """4096 features: the kernel takes 64 rows at a time against all of a thread's weights (their
-    int8 quants stay in its L2), the last span partial at 100 rows."""
+    int8 quants stay in its L2), the last span partial at 100 rows. Exact int8 activations, so the
+    float32 bound holds on either path."""
     shape = (67, 4096)
     _, weight = gguf_weight(ggml_type, shape)
     x = int8_blocks(rows, shape[1], torch.Generator().manual_seed(rows))
@@ -168,7 +171,7 @@ def test_rows_in_several_spans(ggml_type: T, rows: int) -> None:
     assert (error <= float32_bound(x, weight)).all()
 
 
-@pytest.mark.parametrize("rows", [2, GEMV_MAX_ROWS + 2])  # both paths, even
+@pytest.mark.parametrize("rows", [2, GEMV_MAX_ROWS + 2])  # both paths where AMX tiles serve, even
 def test_leading_dims_and_bias(rows: int) -> None:
     shape = (67, 256)
     weight = packed(T.Q4_1, shape)
@@ -192,11 +195,28 @@ def test_bf16_activations(ggml_type: T, rows: int) -> None:
     assert out.dtype == torch.bfloat16
     reference = x.double() @ weight.T
     allowed = float32_bound(x, weight) + 2**-9 * reference.abs()
-    if rows <= GEMV_MAX_ROWS:
+    if gemv_serves(rows, x.dtype):
         allowed += activation_bound(x, weight)
     else:
         allowed += 2**-9 * (x.double().abs() @ weight.abs().T)
     assert ((out.double() - reference).abs() <= allowed).all()
+
+
+@pytest.mark.parametrize("ggml_type", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_panel_path(ggml_type: T, dtype: torch.dtype) -> None:
+    """The panels, which prefill chunks take on CPUs with AMX (and other dtypes everywhere):
+    float32 panels within float32 rounding, bf16 ones also within the weight's rounding to bf16 (2^-9
+    of each |W|); float32 sums either way."""
+    shape = (576, 1536)
+    _, weight = gguf_weight(ggml_type, shape)
+    x = torch.randn(GEMV_MAX_ROWS + 1, shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = panel_matmul(x, packed(ggml_type, shape))
+    assert out.dtype == torch.float32
+    allowed = float32_bound(x, weight)
+    if dtype == torch.bfloat16:
+        allowed += 2**-9 * (x.double().abs() @ weight.abs().T)
+    assert ((out.double() - x.double() @ weight.T).abs() <= allowed).all()
 
 
 @pytest.mark.parametrize(

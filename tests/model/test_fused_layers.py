@@ -140,8 +140,8 @@ def _by_format(name: str) -> Q | None:
 @pytest.mark.skipif(not attention_fuses(4, 1), reason="no fused attention for this shape here")
 def test_layers_in_gguf_blocks_fused_compute_what_the_layer_by_layer_forward_does(tmp_path):
     # head_dim 64 and a GQA group of 4, a shape the tiled prefill kernel is built for. Steps up to
-    # GEMV_MAX_ROWS (128) tokens run fused; the 150-token prompt's first chunk runs layer by layer,
-    # its products through dequantized panels, in both runs.
+    # GEMV_MAX_ROWS (128) tokens run fused; the 150-token prompt's first chunk runs layer by layer
+    # in both runs.
     folder = write_tiny_model(
         tmp_path / "model", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=1
     )
@@ -154,25 +154,33 @@ def test_layers_in_gguf_blocks_fused_compute_what_the_layer_by_layer_forward_doe
         assert len(layers[0].fused.qkv[1]) == 4  # two packs: (Q4_1, 320 rows), (Q8_0, 64 rows)
         prompts = [*PROMPTS, list(range(2000, 2150))]
 
-        def generate_counting_calls() -> tuple[list, int, int]:
+        def generate_counting_rows() -> tuple[list, dict[str, list[int]]]:
+            """The tokens and logprobs, and the rows (tokens) of each call of the fused layer and of
+            the layers' RMS norms."""
             params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
-            with torch.profiler.profile() as profile:
+            with torch.profiler.profile(record_shapes=True) as profile:
                 outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            calls = {e.key: e.count for e in profile.key_averages()}
-            results = [(out.outputs[0].token_ids, out.outputs[0].logprobs) for out in outputs]
-            return (
-                results,
-                calls.get("raypage::llama_decoder_layer", 0),
-                calls.get("raypage::quant_dequantize", 0),
-            )
+            rows: dict[str, list[int]] = {
+                "raypage::llama_decoder_layer": [],
+                "raypage::fused_add_rms_norm": [],
+            }
+            for event in profile.events():
+                if event.name in rows:
+                    rows[event.name].append(event.input_shapes[0][0])
+            return [(out.outputs[0].token_ids, out.outputs[0].logprobs) for out in outputs], rows
 
-        fused, fused_calls, fused_panels = generate_counting_calls()
+        fused, fused_rows = generate_counting_rows()
         for layer in layers:
             layer.fused = None
         assert llm.reset_prefix_cache()
-        plain, plain_calls, plain_panels = generate_counting_calls()
+        plain, plain_rows = generate_counting_rows()
     finally:
         llm.llm_engine.shutdown()
     assert fused == plain
-    assert fused_calls > 0 and plain_calls == 0
-    assert fused_panels == plain_panels > 0  # the long chunk, layer by layer in both runs
+    fused_layer_rows = fused_rows["raypage::llama_decoder_layer"]
+    assert fused_layer_rows and max(fused_layer_rows) <= 128
+    assert not plain_rows["raypage::llama_decoder_layer"]
+    # The long chunk, layer by layer in both runs.
+    assert (
+        max(fused_rows["raypage::fused_add_rms_norm"]) == max(plain_rows["raypage::fused_add_rms_norm"]) > 128
+    )
