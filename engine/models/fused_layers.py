@@ -13,9 +13,9 @@ int8 one, which only the int8 path reads) with the tiled prefill kernel built fo
 (AVX-512 BF16) and no AMX attention (which the C++ call does not take), its four projections all in
 bf16 panels (kernels/linear.py) or all in GGUF blocks (kernels/gguf_blocks.py), no biases but the
 QKV projection's, and no tensor parallelism (the row-parallel projections' all-reduce stays in
-Python). A layer in GGUF blocks runs fused up to `GEMV_MAX_ROWS` tokens a step, the rows its
-products take in one pass over the blocks; a larger step (a long prefill chunk) runs it layer by
-layer, where the products dequantize panels. Anywhere else the layer's own forward runs.
+Python). A layer in GGUF blocks runs fused up to `GEMV_MAX_ROWS` tokens a step; a larger step (a
+long prefill chunk) runs it layer by layer, whose products take the int8 kernel or dequantized
+panels as `kernels.quant_linear.gemv_serves` says. Anywhere else the layer's own forward runs.
 """
 
 from __future__ import annotations
