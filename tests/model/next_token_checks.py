@@ -4,10 +4,15 @@ bf16 roundings or quantized activations may turn a near tie into another token."
 from __future__ import annotations
 
 from engine import LLM, SamplingParams
+from kernels.quant_linear import GEMV_MAX_ROWS
 
 # Log-probability gap within which two tokens are a near tie: the logits are bf16, whose steps at
 # the test models' logit sizes are 1/16, and two layouts' roundings differ by a few of them.
 NEAR_TIE = 0.5
+# Engine settings for a quantized model whose every step is at most GEMV_MAX_ROWS tokens, so that all
+# its products quantize their activations to int8 as decoding does (a longer prefill chunk may take
+# dequantized panels, the dense product up to rounding).
+INT8_PATH_STEPS = {"max_num_batched_tokens": GEMV_MAX_ROWS, "max_num_seqs": 16}
 
 
 def position_logprobs(llm: LLM, token_ids: list[list[int]]) -> list[list[dict]]:

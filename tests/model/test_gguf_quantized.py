@@ -22,8 +22,8 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.models.model_files import packaged_model_path
 from kernels.build import cpu_kernels_available
-from kernels.quant_linear import GEMV_MAX_ROWS
 from tests.model.next_token_checks import (
+    INT8_PATH_STEPS,
     agreement_up_to_near_ties,
     greedy_sequences,
     position_logprobs,
@@ -39,16 +39,15 @@ MAX_TOKENS = 24
 
 
 def test_the_packaged_q4_1_model_picks_the_dequantized_models_tokens():
-    # Steps of at most GEMV_MAX_ROWS tokens, so that every product quantizes its activations to
-    # int8 as decoding does (longer prefill chunks take dequantized panels, the dense product up to
-    # rounding). Where the choices differ, the quantized pick must be a near tie of the dense one's.
+    # Every product on the int8 path. Where the choices differ, the quantized pick must be a near
+    # tie of the dense one's.
     dense = LLM(dtype="bfloat16", quantization="none", num_kv_blocks=64)
     try:
         sequences = greedy_sequences(dense, PROMPTS, MAX_TOKENS)
         expected = position_logprobs(dense, sequences)
     finally:
         dense.llm_engine.shutdown()
-    quantized = LLM(dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=GEMV_MAX_ROWS, max_num_seqs=16)
+    quantized = LLM(dtype="bfloat16", num_kv_blocks=64, **INT8_PATH_STEPS)
     try:
         got = position_logprobs(quantized, sequences)
     finally:

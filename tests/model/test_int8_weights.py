@@ -20,8 +20,7 @@ from engine import LLM
 from engine.models.quantized_weights import int8_blocks
 from kernels.build import cpu_kernels_available
 from kernels.gguf_blocks import BlockLinearWeight
-from kernels.quant_linear import GEMV_MAX_ROWS
-from tests.model.next_token_checks import greedy_sequences, top_tokens
+from tests.model.next_token_checks import INT8_PATH_STEPS, greedy_sequences, top_tokens
 from tests.model.test_hf_parity import PROMPTS
 from tests.model.tiny_models import write_tiny_model
 
@@ -60,9 +59,8 @@ def smollm2_folder(hf_smollm2, hf_tokenizer, tmp_path_factory):
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the int8 kernels are the compiled CPU kernels")
 def test_int8_smollm2_picks_the_bf16_models_tokens(smollm2_folder):
     # Real weights: their quantization error and the activations' leave the greedy choice alone at
-    # nearly every position (a random model's near-uniform logits would turn on any rounding). Steps
-    # of at most GEMV_MAX_ROWS tokens, so that every product quantizes its activations to int8 as
-    # decoding does (longer prefill chunks take dequantized panels).
+    # nearly every position (a random model's near-uniform logits would turn on any rounding). Every
+    # product on the int8 path.
     dense = LLM(str(smollm2_folder), dtype="bfloat16", num_kv_blocks=64)
     try:
         sequences = greedy_sequences(dense, PROMPTS, 24)
@@ -74,8 +72,7 @@ def test_int8_smollm2_picks_the_bf16_models_tokens(smollm2_folder):
         dtype="bfloat16",
         num_kv_blocks=64,
         quantization="int8",
-        max_num_batched_tokens=GEMV_MAX_ROWS,
-        max_num_seqs=16,
+        **INT8_PATH_STEPS,
     )
     try:
         runner = quantized.llm_engine.engine_core.engine_core.executor.worker.model_runner
