@@ -2,6 +2,8 @@
 
     python -m benchmarks.async_scheduling --rounds 3                 # offline, the three workloads
     python -m benchmarks.async_scheduling --rounds 3 --serve 2       # + `raypage api-server` at 2 req/s
+    git worktree add /tmp/before REV
+    python -m benchmarks.async_scheduling --rounds 3 --baseline /tmp/before   # + REV's code, sync
 
 Offline: `../shared/bench/offline_throughput.py` (the side-by-side workloads: uniform, mixed,
 prefix) in a fresh process per run, sync and async interleaved in every round; each run also
@@ -9,7 +11,9 @@ reports the share of its wall time its forward passes took (the rest is input pr
 sampling, scheduling and output handling). Serving: a fresh `raypage api-server` per run, sync and
 async interleaved, driven by vLLM's own load generator (`vllm bench serve`, 100 random prompts of
 128 in / 128 out) from the venv that `../shared/bench/compare.sh` installs. Prints each run, then
-the median and range of every figure and the async / sync ratio of the medians.
+the median and range of every figure and the async / sync ratio of the medians. `--baseline DIR`
+adds a third mode, the code of another checkout (its folder first on PYTHONPATH) with sync
+scheduling, interleaved with the other two, and the ratios of both to it.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ SERVE_FIGURES = {
 }
 
 
-def offline_run(model: str, workload: str, settings: dict) -> dict:
-    """One offline_throughput.py run in a fresh process, with its forward passes' share of wall time."""
+def offline_run(model: str, workload: str, settings: dict, code_dir: str | None = None) -> dict:
+    """One offline_throughput.py run in a fresh process, with its forward passes' share of wall time
+    (the code of `code_dir`, another checkout, when given)."""
     # The shared script's own LLM is wrapped so that its forward timings come back with the result.
     code = (
         "import json, runpy, sys, time\n"
@@ -58,7 +63,11 @@ def offline_run(model: str, workload: str, settings: dict) -> dict:
     )
     argv = [str(BENCH / "offline_throughput.py"), "--engine", "raypage", "--model", model]
     argv += ["--workload", workload, "--engine-args", json.dumps(settings)]
-    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True)
+    # `python -c` puts its working directory first on sys.path: the other checkout's, for its code.
+    env = os.environ if code_dir is None else {**os.environ, "PYTHONPATH": code_dir}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True, env=env, cwd=code_dir
+    )
     result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
     result.update(json.loads(done.stdout.split("FORWARD ", 1)[1].splitlines()[0]))
     return result
@@ -112,7 +121,8 @@ def _wait_up(port: int, timeout_s: float = 240.0) -> None:
 
 
 def summarize(label: str, runs: dict[str, list[dict]], higher_is_better: set[str]) -> None:
-    """Median and range of each figure by mode, and the async / sync ratio of the medians."""
+    """Median and range of each figure by mode, the async / sync ratio of the medians, and with a
+    baseline the ratio of each of the two to it."""
     for figure in runs["sync"][0]:
         if not isinstance(runs["sync"][0][figure], float):
             continue
@@ -124,9 +134,10 @@ def summarize(label: str, runs: dict[str, list[dict]], higher_is_better: set[str
                 f"{label} {figure} {mode}: median {medians[mode]:.4g} (range {min(values):.4g}-{max(values):.4g})"
             )
         better = "higher" if figure in higher_is_better else "lower"
-        print(
-            f"RATIO {label} {figure} async/sync: {medians['async'] / medians['sync']:.3f} ({better} is better)"
-        )
+        pairs = [("async", "sync")] + [(mode, "baseline") for mode in MODES if "baseline" in medians]
+        for mode, reference in pairs:
+            ratio = medians[mode] / medians[reference]
+            print(f"RATIO {label} {figure} {mode}/{reference}: {ratio:.3f} ({better} is better)")
 
 
 def main() -> None:
@@ -136,12 +147,16 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="*", default=["uniform", "mixed", "prefix"])
     parser.add_argument("--serve", nargs="*", default=[], metavar="RATE", help="request rates to serve at")
     parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--baseline", metavar="DIR", help="another checkout to run offline, sync, beside")
     args = parser.parse_args()
+    offline_modes = {mode: (settings, None) for mode, settings in MODES.items()}
+    if args.baseline:
+        offline_modes["baseline"] = (MODES["sync"], args.baseline)
     for workload in args.workloads:
-        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        runs: dict[str, list[dict]] = {mode: [] for mode in offline_modes}
         for _ in range(args.rounds):
-            for mode, settings in MODES.items():
-                result = offline_run(args.model, workload, settings)
+            for mode, (settings, code_dir) in offline_modes.items():
+                result = offline_run(args.model, workload, settings, code_dir)
                 runs[mode].append(result)
                 print(f"{workload} {mode}: {json.dumps(result)}", flush=True)
         summarize(workload, runs, {"output_tok_s", "total_tok_s", "forward_share"})

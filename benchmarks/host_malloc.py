@@ -27,7 +27,7 @@ CALLS = 50
 
 def measure(keep_freed: bool) -> dict[str, dict[str, float]]:
     """Median milliseconds and minor page faults per sampler call, by row count, in this process."""
-    from engine.sample.metadata import build_sampling_metadata
+    from engine.sample.metadata import build_sampling_metadata, sampling_values
     from engine.sample.sampler import Sampler
     from engine.sampling_params import SamplingParams
     from kernels.host_malloc import keep_freed_host_memory
@@ -37,8 +37,9 @@ def measure(keep_freed: bool) -> dict[str, dict[str, float]]:
     results = {}
     for rows in ROWS:
         params = [SamplingParams(temperature=1.0, max_tokens=16) for _ in range(rows)]
+        values = sampling_values(params, VOCAB, torch.device("cpu"))
         meta = build_sampling_metadata(
-            params, [[1]] * rows, [[]] * rows, [None] * rows, [None] * rows, VOCAB, torch.device("cpu")
+            params, values, [[1]] * rows, [[]] * rows, [None] * rows, [None] * rows
         )
         sampler = Sampler(torch.Generator().manual_seed(0))
         logits = (torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from engine.outputs import GrammarBitmask
+from engine.transfers import host_to_device
 from kernels.token_bitmask import apply_token_bitmask_
 
 
@@ -17,10 +18,6 @@ def apply_grammar_bitmask(logits: torch.Tensor, row_seq_ids: list[str], grammar:
     """Set to -inf, in place, every logit of `logits` ([rows, vocab], row i sampling for
     `row_seq_ids[i]`) that its sequence's grammar does not allow."""
     row_of = {seq_id: row for row, seq_id in enumerate(row_seq_ids)}
-    rows = torch.tensor([row_of[seq_id] for seq_id in grammar.seq_ids], dtype=torch.int64)
-    bitmask = torch.from_numpy(
-        np.frombuffer(grammar.data, dtype="<i4").reshape(len(grammar.seq_ids), grammar.words)
-    )
-    if logits.device.type != "cpu":
-        rows, bitmask = rows.to(logits.device), bitmask.to(logits.device)
-    apply_token_bitmask_(logits, bitmask, rows)
+    rows = np.array([row_of[seq_id] for seq_id in grammar.seq_ids], dtype=np.int64)
+    bitmask = np.frombuffer(grammar.data, dtype="<i4").reshape(len(grammar.seq_ids), grammar.words)
+    apply_token_bitmask_(logits, host_to_device(bitmask, logits.device), host_to_device(rows, logits.device))

@@ -1,16 +1,62 @@
 """SamplingMetadata: the per-row settings of one step's batch of logits, as the sampler reads them.
 
-Every optional field is None (or empty) when no row of the batch needs it, so that the sampler can
-skip the whole step: a batch of plain greedy requests costs one argmax.
+The numeric settings of each row (temperature, top-p, min-p, the penalties, top-k) are columns of
+two tensors on the logits' device: the model runner keeps them per sequence in its persistent batch
+and gathers the step's rows on the device; a one-off batch packs them with `sampling_values`. Every
+optional field is None (or empty) when no row of the batch needs it, so that the sampler can skip
+the whole step: a batch of plain greedy requests costs one argmax.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
+from engine.sample.counter_random import as_int64_keys
 from engine.sampling_params import SamplingParams
+from engine.transfers import host_to_device
+
+# The float columns of SamplingValues.floats, in order, and the value at which each does nothing.
+FLOAT_COLUMNS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_NEUTRAL = {
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+@dataclasses.dataclass
+class SamplingValues:
+    """The numeric settings of a batch's rows, on the device."""
+
+    floats: torch.Tensor  # [rows, len(FLOAT_COLUMNS)] float32
+    top_k: torch.Tensor  # [rows] int64, the vocabulary size where disabled
+
+
+def row_values(params: SamplingParams, vocab_size: int) -> tuple[list[float], int]:
+    """One row's FLOAT_COLUMNS values and its top-k as the filter reads it (the whole vocabulary
+    when disabled, 0 or -1, or larger)."""
+    top_k = vocab_size if params.top_k <= 0 else min(params.top_k, vocab_size)
+    return [float(getattr(params, name)) for name in FLOAT_COLUMNS], top_k
+
+
+def sampling_values(params: list[SamplingParams], vocab_size: int, device: torch.device) -> SamplingValues:
+    """SamplingValues of a one-off batch, packed on the host and copied over."""
+    rows = [row_values(p, vocab_size) for p in params]
+    floats = np.array([values for values, _ in rows], dtype=np.float32).reshape(len(rows), len(FLOAT_COLUMNS))
+    top_k = np.array([top_k for _, top_k in rows], dtype=np.int64)
+    return SamplingValues(host_to_device(floats, device), host_to_device(top_k, device))
 
 
 @dataclasses.dataclass
@@ -22,7 +68,10 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [rows] int64, vocab size where disabled; None when no row uses it
     top_p: torch.Tensor | None  # [rows] float32, 1 where disabled
     min_p: torch.Tensor | None  # [rows] float32, 0 where disabled
-    generators: dict[int, torch.Generator]  # row -> the request's own generator (seeded random rows)
+    # [rows] int64: a seeded random row's key (engine/sample/counter_random.py), 0 elsewhere;
+    # None when no random row has a seed
+    seed_keys: torch.Tensor | None
+    seeded: torch.Tensor | None  # [rows] bool: the rows drawing from their seed_keys
     presence_penalties: torch.Tensor | None  # [rows] float32, 0 where disabled
     frequency_penalties: torch.Tensor | None  # [rows] float32, 0 where disabled
     repetition_penalties: torch.Tensor | None  # [rows] float32, 1 where disabled
@@ -35,54 +84,51 @@ class SamplingMetadata:
 
 def build_sampling_metadata(
     params: list[SamplingParams],
+    values: SamplingValues,
     prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],
-    generators: list[torch.Generator | None],
+    seed_keys: list[int | None],
     eos_token_ids: list[int | None],
-    vocab_size: int,
-    device: torch.device,
 ) -> SamplingMetadata:
-    """Derive the batch's SamplingMetadata from each row's params, tokens, generator and EOS id.
+    """Derive the batch's SamplingMetadata from each row's params, values, tokens, seed key and EOS.
 
-    `eos_token_ids[row]` is the EOS that min_tokens holds back for that row (None: only its
-    stop_token_ids). Filters are left out when every row is greedy, since argmax ignores them.
+    `seed_keys[row]` is the key of the row's draw, `position_seed(seed, output position)`, or None
+    for a row without a seed; `eos_token_ids[row]` is the EOS that min_tokens holds back for that
+    row (None: only its stop_token_ids). Filters are left out when every row is greedy, since
+    argmax ignores them; a column is left out when no row moves it off its neutral value.
     """
     all_greedy = all(p.is_greedy for p in params)
+    device = values.floats.device
+    columns = {name: values.floats[:, index] for index, name in enumerate(FLOAT_COLUMNS)}
 
-    def per_row(values: list[float], neutral: float, dtype: torch.dtype) -> torch.Tensor | None:
-        if all(value == neutral for value in values):
+    def used(name: str, filters: bool = False) -> torch.Tensor | None:
+        if (filters and all_greedy) or all(getattr(p, name) == _NEUTRAL[name] for p in params):
             return None
-        return torch.tensor(values, dtype=dtype, device=device)
+        return columns[name]
 
-    def filter_per_row(values: list[float], neutral: float, dtype: torch.dtype) -> torch.Tensor | None:
-        return None if all_greedy else per_row(values, neutral, dtype)
-
+    # Greedy rows never draw noise, so their seeds are left out.
+    seeded = [key is not None and not p.is_greedy for p, key in zip(params, seed_keys, strict=True)]
+    keys = None
+    if any(seeded):
+        row_keys = as_int64_keys([key if draws else 0 for key, draws in zip(seed_keys, seeded, strict=True)])
+        keys = host_to_device(np.array(row_keys, dtype=np.int64), device)
     return SamplingMetadata(
-        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+        temperature=columns["temperature"],
         all_greedy=all_greedy,
-        top_k=filter_per_row([_top_k(p.top_k, vocab_size) for p in params], vocab_size, torch.int64),
-        top_p=filter_per_row([p.top_p for p in params], 1.0, torch.float32),
-        min_p=filter_per_row([p.min_p for p in params], 0.0, torch.float32),
-        # Greedy rows never draw noise, so their generators are left out.
-        generators={
-            row: generator
-            for row, (p, generator) in enumerate(zip(params, generators, strict=True))
-            if generator is not None and not p.is_greedy
-        },
-        presence_penalties=per_row([p.presence_penalty for p in params], 0.0, torch.float32),
-        frequency_penalties=per_row([p.frequency_penalty for p in params], 0.0, torch.float32),
-        repetition_penalties=per_row([p.repetition_penalty for p in params], 1.0, torch.float32),
+        top_k=None if all_greedy or all(p.top_k <= 0 for p in params) else values.top_k,
+        top_p=used("top_p", filters=True),
+        min_p=used("min_p", filters=True),
+        seed_keys=keys,
+        seeded=None if keys is None else host_to_device(np.array(seeded), device),
+        presence_penalties=used("presence_penalty"),
+        frequency_penalties=used("frequency_penalty"),
+        repetition_penalties=used("repetition_penalty"),
         prompt_token_ids=prompt_token_ids,
         output_token_ids=output_token_ids,
         min_tokens=_min_tokens(params, output_token_ids, eos_token_ids),
         logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias},
         max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
     )
-
-
-def _top_k(top_k: int, vocab_size: int) -> int:
-    """A row's k as the filter reads it: the whole vocabulary when disabled (0 or -1) or larger."""
-    return vocab_size if top_k <= 0 else min(top_k, vocab_size)
 
 
 def _min_tokens(

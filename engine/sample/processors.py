@@ -1,16 +1,18 @@
 """Batched logits transformations, each [rows, vocab] float32 logits -> new logits.
 
 None of them writes into its input: the caller's logits (and the raw logprobs taken from them)
-stay as they were.
+stay as they were. Host-side lists reach the device through engine/transfers.py, without a wait.
 """
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 from engine.sample.metadata import SamplingMetadata
+from engine.transfers import host_to_device
 
 
 def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, frozenset[int]]) -> torch.Tensor:
@@ -19,7 +21,7 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, frozenset[int]]
         return logits
     pairs = [(row, token) for row, tokens in min_tokens.items() for token in tokens]
     index = _pair_index(pairs, logits.device)
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+    return logits.index_put(index, logits.new_full((), float("-inf")))
 
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> torch.Tensor:
@@ -28,7 +30,7 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float
         return logits
     pairs = [(row, token) for row, biases in logit_bias.items() for token in biases]
     values = [bias for biases in logit_bias.values() for bias in biases.values()]
-    bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    bias = host_to_device(np.array(values, dtype=np.float32), logits.device).to(logits.dtype)
     return logits.index_put(_pair_index(pairs, logits.device), bias, accumulate=True)
 
 
@@ -60,11 +62,11 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 
 def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[rows, vocab] float32: how often each token id occurs in each row's list (one scatter_add)."""
-    lengths = torch.tensor([len(tokens) for tokens in token_ids], dtype=torch.int64)
-    flat = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
+    lengths = np.array([len(tokens) for tokens in token_ids], dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(lengths.sum()))
     # Row r's token t lands at r * vocab + t of the flattened [rows, vocab] counts.
-    offsets = torch.arange(len(token_ids), dtype=torch.int64) * vocab_size
-    index = (flat + offsets.repeat_interleave(lengths)).to(device)
+    offsets = np.arange(len(token_ids), dtype=np.int64) * vocab_size
+    index = host_to_device(flat + np.repeat(offsets, lengths), device)
     counts = torch.zeros(len(token_ids) * vocab_size, dtype=torch.float32, device=device)
     counts.scatter_add_(0, index, torch.ones(index.shape, dtype=torch.float32, device=device))
     return counts.view(len(token_ids), vocab_size)
@@ -98,5 +100,5 @@ def apply_top_k_top_p(
 
 def _pair_index(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, tokens) index tensors for index_put from a list of (row, token) pairs."""
-    index = torch.tensor(pairs, dtype=torch.int64, device=device).reshape(-1, 2)
+    index = host_to_device(np.array(pairs, dtype=np.int64).reshape(-1, 2), device)
     return index[:, 0], index[:, 1]

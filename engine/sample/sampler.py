@@ -5,8 +5,9 @@ then greedy rows take the argmax while random rows are divided by their temperat
 min_p, top-k and top-p, and drawn. Every step that no row of the batch needs is skipped.
 
 Random rows are drawn by inverse CDF (the first token whose cumulative probability passes a
-uniform number), one random number per row, so that each seeded request draws from its own
-generator: its tokens then do not depend on what else shares the batch.
+uniform number), one random number per row: a seeded row's is a function of its seed and output
+position computed on the device (engine/sample/counter_random.py), so its tokens do not depend on
+what else shares the batch, and no step waits on the host to seed anything.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 
 import torch
 
+from engine.sample.counter_random import splitmix64_uniform
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.processors import (
     apply_logit_bias,
@@ -44,6 +46,10 @@ class LogprobsTensors:
     token_ids: torch.Tensor  # [rows, k + 1] int64: the sampled (or given) token, then the top-k
     logprobs: torch.Tensor  # [rows, k + 1] float32, same layout
     ranks: torch.Tensor  # [rows] int64: rank of the column-0 token, 1 for the most likely
+
+    def parts(self) -> list[torch.Tensor]:
+        """The three tensors, in the order the constructor takes them."""
+        return [self.token_ids, self.logprobs, self.ranks]
 
     def tolists(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
         """The three tensors as Python lists (token ids, logprobs, ranks)."""
@@ -129,16 +135,16 @@ class Sampler:
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        sampled = self._inverse_cdf(logits.softmax(dim=-1), meta.generators)
+        sampled = self._inverse_cdf(logits.softmax(dim=-1), meta)
         return torch.where(is_greedy, greedy, sampled)
 
-    def _inverse_cdf(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    def _inverse_cdf(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """One draw per row from `probs`: the first token whose cumulative probability passes a
         uniform number. One random number per row, not one per vocabulary entry as the
-        exponential race needs, and seeded rows take theirs from their own generator."""
+        exponential race needs; seeded rows take theirs from their keys."""
         uniform = torch.rand(probs.shape[0], generator=self.generator, device=probs.device)
-        for row, generator in generators.items():
-            uniform[row] = torch.rand((), generator=generator, device=probs.device)
+        if meta.seed_keys is not None:
+            uniform = torch.where(meta.seeded, splitmix64_uniform(meta.seed_keys), uniform)
         cumulative = probs.cumsum(dim=-1)
         # Scaled by the row's total, so float rounding in the cumsum can never leave u above it.
         targets = uniform.unsqueeze(1) * cumulative[:, -1:]

@@ -1,8 +1,10 @@
 """The model runner's persistent batch: per-sequence rows that survive from step to step.
 
-Each sequence the scheduler sends keeps one row of a preallocated block table until it finishes or
-is preempted; a step then only applies the scheduler's deltas and gathers the rows it needs,
-instead of rebuilding every table from scratch.
+Each sequence the scheduler sends keeps one row of preallocated device tensors (its block table and
+its numeric sampling settings) until it finishes or is preempted. A step applies the scheduler's
+deltas to the host copies and sends only the entries that changed (a sequence's new blocks, a new
+sequence's settings), without waiting; the step's rows are then gathered on the device, instead of
+every table being rebuilt from Python lists into new tensors.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import numpy as np
 import torch
 
 from engine.outputs import NewSequenceData
+from engine.sample.metadata import FLOAT_COLUMNS, SamplingValues, row_values
 from engine.sampling_params import SamplingParams
+from engine.transfers import StagedBuffer
 
 # An odd constant with well-mixed bits (2**64 / golden ratio): spreads consecutive positions far apart.
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
@@ -41,7 +45,6 @@ class WorkerSequenceState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     seed: int | None
-    generator: torch.Generator | None
     eos_token_id: int | None
     num_logprobs: int | None
     num_prompt_logprobs: int | None
@@ -66,41 +69,57 @@ class WorkerSequenceState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
-    def seeded_generator(self, offset: int = 0) -> torch.Generator | None:
-        """The generator for drawing this sequence's next token (or the one `offset` tokens after
-        it, behind speculative drafts: a generator of its own), seeded from (seed, position).
+    def seed_key(self, offset: int = 0) -> int | None:
+        """The key of the draw for this sequence's next token (or the one `offset` tokens after it,
+        behind speculative drafts): `position_seed(seed, output position)`, None without a seed.
 
-        Reseeding at every position, instead of letting one stream run on, makes the draw a pure
-        function of the seed and the position: a sequence preempted and recomputed, swapped,
-        batched differently or speculating still samples exactly the same tokens.
+        A draw that is a pure function of the seed and the position (engine/sample/counter_random.py)
+        lets a sequence preempted and recomputed, swapped, batched differently or speculating
+        sample exactly the same tokens.
         """
-        if self.generator is None:
+        if self.seed is None:
             return None
-        generator = self.generator if offset == 0 else torch.Generator(device=self.generator.device)
-        generator.manual_seed(position_seed(self.seed, len(self.token_ids) - self.num_prompt_tokens + offset))
-        return generator
+        return position_seed(self.seed, len(self.token_ids) - self.num_prompt_tokens + offset)
 
 
 class InputBatch:
-    """Block-table rows, indexed by `WorkerSequenceState.row`, and the states that own them."""
+    """Block-table and sampling-settings rows on the device, indexed by `WorkerSequenceState.row`,
+    and the states that own them."""
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device
+    ) -> None:
         self.device = device
-        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
+        self.vocab_size = vocab_size
+        self._block_table = StagedBuffer((max_num_seqs, max_blocks_per_seq), torch.int64, device)
+        self._floats = StagedBuffer((max_num_seqs, len(FLOAT_COLUMNS)), torch.float32, device)
+        self._top_k = StagedBuffer((max_num_seqs,), torch.int64, device)
         self.seqs: dict[str, WorkerSequenceState] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """The host copy of every row's block table ([max_num_seqs, max_blocks_per_seq])."""
+        return self._block_table.np
+
+    @property
+    def device_block_table(self) -> torch.Tensor:
+        """The device copy, current once the step's changes are sent (`set_blocks` sends them)."""
+        return self._block_table.device
+
+    def sampling_values(self, rows: torch.Tensor) -> SamplingValues:
+        """The sampling settings of `rows` (row indices on the device, repeats allowed)."""
+        return SamplingValues(self._floats.device[rows], self._top_k.device[rows])
 
     def add(self, new: NewSequenceData) -> WorkerSequenceState:
         if not self._free_rows:
             raise RuntimeError("more sequences scheduled than max_num_seqs rows")
-        generator = None if new.seed is None else torch.Generator(device=self.device)
         state = WorkerSequenceState(
             seq_id=new.seq_id,
             token_ids=[*new.prompt_token_ids, *new.output_token_ids],
             num_prompt_tokens=len(new.prompt_token_ids),
             sampling_params=new.sampling_params,
             seed=new.seed,
-            generator=generator,
             eos_token_id=new.eos_token_id,
             num_logprobs=new.num_logprobs,
             num_prompt_logprobs=new.num_prompt_logprobs,
@@ -111,6 +130,11 @@ class InputBatch:
         )
         self.seqs[new.seq_id] = state
         self.set_blocks(state, 0, new.block_ids)
+        floats, top_k = row_values(new.sampling_params, self.vocab_size)
+        self._floats.np[state.row] = floats
+        self._top_k.np[state.row] = top_k
+        self._floats.copy_rows(state.row, 0, len(FLOAT_COLUMNS))
+        self._top_k.copy_rows(state.row)
         return state
 
     def remove(self, seq_id: str) -> None:
@@ -119,8 +143,10 @@ class InputBatch:
             self._free_rows.append(state.row)
 
     def set_blocks(self, state: WorkerSequenceState, start: int, block_ids: list[int]) -> None:
-        """The sequence's block table from `start` on becomes `block_ids`."""
+        """The sequence's block table from `start` on becomes `block_ids`, on the host and the device."""
         end = start + len(block_ids)
         if end > self.block_table.shape[1]:
             raise RuntimeError(f"sequence {state.seq_id} needs {end} blocks, more than max_model_len allows")
-        self.block_table[state.row, start:end] = block_ids
+        if block_ids:
+            self.block_table[state.row, start:end] = block_ids
+            self._block_table.copy_rows(state.row, start, end)

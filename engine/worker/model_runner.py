@@ -38,10 +38,12 @@ from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_cache_manager import cdiv
 from engine.spec_decode.draft_model import DraftModel
+from engine.transfers import host_to_device
 from engine.worker.cache_engine import CacheEngine, resolve_kv_cache_dtype
 from engine.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from engine.worker.draft_rows import AcceptedTokens, SampleRow, accept_drafts, sample_rows
 from engine.worker.input_batch import InputBatch, WorkerSequenceState
+from engine.worker.step_io import StepBuffers, results_to_host
 from kernels.attention import AttentionMetadata, get_attention_backend
 from kernels.lora import LoRABatch
 from parallel.pipeline import IntermediateTensors, receive_from_previous_stage, send_to_next_stage
@@ -59,9 +61,14 @@ class ModelRunner:
         self.device = device
         self.dtype: torch.dtype = getattr(torch, config.model.dtype)
         self.block_size = config.cache.block_size
+        sched = config.scheduler
         self.input_batch = InputBatch(
-            config.scheduler.max_num_seqs, cdiv(config.model.max_model_len, self.block_size), device
+            sched.max_num_seqs,
+            cdiv(config.model.max_model_len, self.block_size),
+            self.arch.vocab_size,
+            device,
         )
+        self.step_buffers = StepBuffers(sched.max_num_batched_tokens, sched.max_num_seqs, device)
         generator = torch.Generator(device=device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
@@ -110,6 +117,16 @@ class ModelRunner:
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: PendingBitmask | None = None
     ) -> ModelRunnerOutput:
+        # The step's host writes go into the staging memory the last step's copies read.
+        self.step_buffers.guard.wait()
+        try:
+            return self._execute(scheduler_output, grammar_bitmask)
+        finally:
+            self.step_buffers.guard.mark()
+
+    def _execute(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: PendingBitmask | None
+    ) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -128,12 +145,13 @@ class ModelRunner:
         logit_indices = [row.hidden_index for row in rows]
         logit_indices += [index for _, indices, _ in prompt_rows for index in indices]
         output = ModelRunnerOutput(seq_ids=[], sampled_token_ids=[])
-        accepted: list[AcceptedTokens] = []
+        sampled = None
+        prompt_logprobs: dict[str, LogprobsTensors] = {}
         if logit_indices:  # else every sequence is mid-prefill, with no prompt logprobs wanted
             logits = self.model.compute_logits(
-                hidden[torch.tensor(logit_indices, dtype=torch.long, device=self.device)]
+                hidden[self.step_buffers.logit_rows.put(np.array(logit_indices))]
             )
-            output.prompt_logprobs = self._prompt_logprobs(prompt_rows, logits[len(rows) :])
+            prompt_logprobs = self._prompt_logprobs(prompt_rows, logits[len(rows) :])
         if rows:
             # The masks come with the step, or (computed beside the forward pass) arrive now.
             masks = (
@@ -142,10 +160,17 @@ class ModelRunner:
             if masks is not None:
                 apply_grammar_bitmask(logits[: len(rows)], [row.state.seq_id for row in rows], masks)
             sampled = self.sampler(logits[: len(rows)], self._sampling_metadata(rows))
-            accepted = accept_drafts(rows, sampled.sampled_token_ids.tolist())
+        # The step's one wait: every result the host reads comes over together.
+        sampled_ids, sampled_logprobs, prompt_logprobs = results_to_host(sampled, prompt_logprobs)
+        output.prompt_logprobs = {
+            seq_id: LogprobsLists(*t.tolists()) for seq_id, t in prompt_logprobs.items()
+        }
+        accepted: list[AcceptedTokens] = []
+        if rows:
+            accepted = accept_drafts(rows, sampled_ids)
             output.seq_ids = [seq.seq_id for seq in accepted]
             output.sampled_token_ids = [seq.tokens for seq in accepted]
-            output.logprobs = self._sampled_logprobs(states, accepted, sampled.logprobs)
+            output.logprobs = self._sampled_logprobs(states, accepted, sampled_logprobs)
         if self.draft is not None:
             output.spec_token_ids = self._propose_drafts(
                 input_ids, positions, meta, accepted, scheduler_output
@@ -258,7 +283,11 @@ class ModelRunner:
         self, order: list[str], num_scheduled: dict[str, int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         """Flat input ids and positions, the attention metadata, each sequence's first token row
-        (and the end), and which sequences sample."""
+        (and the end), and which sequences sample.
+
+        Computed on the host from the persistent batch's host copies, written into the step
+        buffers and sent without waiting; the block tables are gathered from the device's copy.
+        """
         states = [self.input_batch.seqs[seq_id] for seq_id in order]
         query_lens = np.array([num_scheduled[seq_id] for seq_id in order], dtype=np.int64)
         starts = np.array([state.num_computed_tokens for state in states], dtype=np.int64)
@@ -267,18 +296,17 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(len(order)), query_lens)
         positions = starts[req_of_token] + np.arange(query_start_loc[-1]) - query_start_loc[req_of_token]
         rows = np.array([state.row for state in states])
-        block_table = self.input_batch.block_table[rows, : cdiv(int(seq_lens.max()), self.block_size)]
-        slot_mapping = block_table[req_of_token, positions // self.block_size] * self.block_size + (
+        table_width = cdiv(int(seq_lens.max()), self.block_size)
+        host_table = self.input_batch.block_table
+        slot_mapping = host_table[rows[req_of_token], positions // self.block_size] * self.block_size + (
             positions % self.block_size
         )
         drafts = [self._drafts.get(seq_id, ()) for seq_id in order]
         num_decodes = int(np.count_nonzero(query_lens == 1))
-        attended = (query_start_loc, seq_lens, block_table, num_decodes)
+        attended = (query_start_loc, seq_lens, np.arange(len(order)), num_decodes)
         num_drafted = sum(1 for seq_drafts in drafts if seq_drafts)
         if num_drafted and self.device.type == "cpu":
-            attended = _drafted_rows_as_decodes(
-                query_start_loc, seq_lens, block_table, num_decodes, num_drafted
-            )
+            attended = _drafted_rows_as_decodes(query_start_loc, seq_lens, num_decodes, num_drafted)
         input_ids = np.fromiter(
             (
                 token
@@ -293,28 +321,37 @@ class ModelRunner:
         logits_rows = [
             i for i, state in enumerate(states) if seq_lens[i] == len(state.token_ids) + len(drafts[i])
         ]
-        attended_starts, attended_lens, attended_table, attended_decodes = attended
+        attended_starts, attended_lens, attended_entries, attended_decodes = attended
+        buffers = self.step_buffers
+        table_rows = buffers.table_rows.put(rows[attended_entries])
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            block_table=self._to_device(attended_table),
-            seq_lens=self._to_device(attended_lens),
+            slot_mapping=buffers.slot_mapping.put(slot_mapping),
+            block_table=self.input_batch.device_block_table[table_rows, :table_width],
+            seq_lens=buffers.seq_lens.put(attended_lens),
             query_start_loc=attended_starts.tolist(),
             seq_lens_list=attended_lens.tolist(),
             num_decodes=attended_decodes,
             block_size=self.block_size,
+            query_start_loc_device=buffers.query_start_loc.put(attended_starts),
         )
         starts_list = query_start_loc.tolist()
-        return self._to_device(input_ids), self._to_device(positions), meta, starts_list, logits_rows
+        return (
+            buffers.input_ids.put(input_ids),
+            buffers.positions.put(positions),
+            meta,
+            starts_list,
+            logits_rows,
+        )
 
     def _sampling_metadata(self, rows: list[SampleRow]) -> SamplingMetadata:
+        persistent_rows = np.array([row.state.row for row in rows], dtype=np.int64)
         meta = build_sampling_metadata(
             [row.state.sampling_params for row in rows],
+            self.input_batch.sampling_values(self.step_buffers.sample_rows.put(persistent_rows)),
             [row.state.prompt_token_ids for row in rows],
             [row.output_token_ids for row in rows],
-            [row.state.seeded_generator(row.offset) for row in rows],
+            [row.state.seed_key(row.offset) for row in rows],
             [row.state.eos_token_id for row in rows],
-            self.arch.vocab_size,
-            self.device,
         )
         # The scheduler decides how many log-probabilities each sequence returns (beam search and
         # best_of need some the user did not ask for).
@@ -370,20 +407,15 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, rows: list[tuple[WorkerSequenceState, list[int], list[int]]], logits: torch.Tensor
-    ) -> dict[str, LogprobsLists]:
+    ) -> dict[str, LogprobsTensors]:
         results = {}
         offset = 0
         for state, indices, next_tokens in rows:
             chunk = logits[offset : offset + len(indices)]
             offset += len(indices)
-            tensors = compute_logprobs(
-                chunk, torch.tensor(next_tokens, device=self.device), state.num_prompt_logprobs
-            )
-            results[state.seq_id] = LogprobsLists(*tensors.tolists())
+            next_ids = host_to_device(np.array(next_tokens, dtype=np.int64), self.device)
+            results[state.seq_id] = compute_logprobs(chunk, next_ids, state.num_prompt_logprobs)
         return results
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     # ---- start-up ------------------------------------------------------------------------------
 
@@ -445,15 +477,12 @@ class ModelRunner:
 
 
 def _drafted_rows_as_decodes(
-    query_start_loc: np.ndarray,
-    seq_lens: np.ndarray,
-    block_table: np.ndarray,
-    num_decodes: int,
-    num_drafted: int,
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, num_decodes: int, num_drafted: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """The attention's view of a batch whose `num_drafted` sequences after its `num_decodes` decodes
     verify drafts: each of their rows a decode of its own, over its sequence's blocks up to its
-    position. Returns (query_start_loc, seq_lens, block_table, num_decodes) of that view."""
+    position. Returns (query_start_loc, seq_lens, the sequence of each entry, num_decodes) of that
+    view."""
     drafted = slice(num_decodes, num_decodes + num_drafted)
     query_lens = np.diff(query_start_loc)[drafted]
     owner = np.repeat(np.arange(num_decodes, num_decodes + num_drafted), query_lens)
@@ -466,4 +495,4 @@ def _drafted_rows_as_decodes(
     num_rows = num_decodes + owner.size  # one query row each
     entry_query_lens = np.concatenate((np.ones(num_rows, dtype=np.int64), np.diff(query_start_loc)[rest]))
     starts = np.concatenate(([0], np.cumsum(entry_query_lens)))
-    return starts, lens, block_table[entries], num_rows
+    return starts, lens, entries, num_rows

@@ -117,7 +117,8 @@ def _prefill(
     num_decodes, first = meta.num_decodes, meta.query_start_loc[meta.num_decodes]
     query_lens = [meta.query_len(i) for i in range(num_decodes, meta.num_seqs)]
     seq_lens = meta.seq_lens_list[num_decodes:]
-    cu_seqlens_q = _cumulative(query_lens, query.device)
+    # Offsets on the device already (no host list copied over, which would wait for the stream).
+    cu_seqlens_q = meta.query_start_loc_tensor[num_decodes:] - first
     common = dict(causal=True, max_seqlen_q=max(query_lens), **_layer_options(params))
     if query_lens == seq_lens:  # no cached context anywhere: attend over the new keys as they came
         return fa.flash_attn_varlen_func(
@@ -134,16 +135,11 @@ def _prefill(
         key_cache,
         value_cache,
         cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=_cumulative(seq_lens, query.device),
+        cu_seqlens_k=F.pad(meta.seq_lens[num_decodes:].cumsum(0), (1, 0)).to(torch.int32),
         max_seqlen_k=max(seq_lens),
         block_table=meta.block_table[num_decodes:].to(torch.int32),
         **common,
     )
-
-
-def _cumulative(lengths: list[int], device: torch.device) -> Tensor:
-    """[0, l0, l0 + l1, ...] as flash-attn's int32 cu_seqlens."""
-    return F.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0)).to(torch.int32)
 
 
 # Its decode path reads only device tensors, so engine/worker/cuda_graphs.py may capture it.

@@ -25,6 +25,7 @@ class AttentionMetadata:
     seq_lens_list: list[int]  # seq_lens on the host, for per-sequence loops
     num_decodes: int
     block_size: int
+    query_start_loc_device: torch.Tensor | None = None  # [num_seqs + 1] int32, on the device
 
     @property
     def num_seqs(self) -> int:
@@ -35,8 +36,11 @@ class AttentionMetadata:
 
     @functools.cached_property
     def query_start_loc_tensor(self) -> torch.Tensor:
-        """query_start_loc as an int32 tensor on the batch's device, for kernels that read it there;
-        made on first use and shared by every layer of the step."""
+        """query_start_loc as an int32 tensor on the batch's device, for kernels that read it there:
+        the model runner's copy (`query_start_loc_device`, sent with the step's other inputs), else
+        made on first use; shared by every layer of the step."""
+        if self.query_start_loc_device is not None:
+            return self.query_start_loc_device
         return torch.tensor(self.query_start_loc, dtype=torch.int32, device=self.seq_lens.device)
 
     @functools.cached_property

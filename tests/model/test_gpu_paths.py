@@ -5,6 +5,7 @@ GPUs (NCCL) equals one GPU. The graphs need a graph-safe attention backend: the 
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -52,6 +53,37 @@ def test_cuda_graph_decode_equals_eager_and_transformers(tmp_path, monkeypatch, 
     assert no_sizes == [] and graphed == eager
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float16).cuda().eval()
     assert graphed == [hf_greedy(hf, prompt, MAX_TOKENS) for prompt in PROMPTS]
+
+
+@pytest.mark.gpu
+def test_steps_wait_on_the_device_only_for_their_results(tmp_path, monkeypatch):
+    """Inputs go through pinned staging without waiting and results come back in one event wait
+    (engine/transfers.py): torch's sync debug mode sees no implicit synchronization in a run of
+    greedy, seeded, filtered and penalized requests with logprobs, prefill and decode steps alike."""
+    monkeypatch.setenv("RAYPAGE_ATTENTION_BACKEND", "triton")
+    folder = write_tiny_model(tmp_path / "model")
+    llm = LLM(str(folder), dtype="float16", device="cuda", max_num_seqs=8, max_model_len=512)
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=MAX_TOKENS, logprobs=2),
+        SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.2, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0.0, presence_penalty=0.5, max_tokens=MAX_TOKENS, prompt_logprobs=1),
+        SamplingParams(temperature=0.9, logit_bias={5: 2.0}, min_tokens=4, max_tokens=MAX_TOKENS),
+    ]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    try:
+        llm.generate(prompts, params, use_tqdm=False)  # the kernels compile and tune on first use
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        llm.llm_engine.shutdown()
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert syncs == []
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from engine.sample.metadata import SamplingMetadata, build_sampling_metadata
+from engine.sample.metadata import SamplingMetadata, build_sampling_metadata, sampling_values
 from engine.sample.sampler import Sampler, apply_top_k_top_p, greedy_tokens
 from engine.sampling_params import SamplingParams
 from kernels.build import cpu_kernels_available
@@ -26,18 +26,17 @@ def build(
     prompt: list[list[int]] | None = None,
     output: list[list[int]] | None = None,
     eos: list[int | None] | None = None,
-    generators: list[torch.Generator | None] | None = None,
+    seeds: list[int | None] | None = None,
 ) -> SamplingMetadata:
     """build_sampling_metadata on CPU, with empty token histories, no EOS and no seeds by default."""
     rows = len(params)
     return build_sampling_metadata(
         params,
+        sampling_values(params, vocab, torch.device("cpu")),
         prompt if prompt is not None else [[] for _ in range(rows)],
         output if output is not None else [[] for _ in range(rows)],
-        generators if generators is not None else [None] * rows,
+        seeds if seeds is not None else [None] * rows,
         eos if eos is not None else [None] * rows,
-        vocab,
-        torch.device("cpu"),
     )
 
 
@@ -208,9 +207,9 @@ def test_greedy_rows_are_unaffected_by_random_rows_in_the_batch():
 
 def test_seeded_row_does_not_depend_on_the_rest_of_the_batch():
     def draw(batch_logits, row, params):
-        generators = [None] * batch_logits.shape[0]
-        generators[row] = torch.Generator().manual_seed(1234)
-        return sample(batch_logits, params, seed=row + 7, generators=generators)[row]
+        seeds = [None] * batch_logits.shape[0]
+        seeds[row] = 1234
+        return sample(batch_logits, params, seed=row + 7, seeds=seeds)[row]
 
     logits = torch.randn(1, 1000)
     alone = [draw(logits, 0, [SamplingParams(seed=1234)]) for _ in range(3)]
@@ -232,20 +231,16 @@ def test_build_sampling_metadata_derives_every_field():
         SamplingParams(top_k=3, presence_penalty=0.5, min_tokens=1, logprobs=4),
         SamplingParams(top_k=99, repetition_penalty=1.2, min_tokens=5, seed=1),
     ]
-    seeded = torch.Generator()
     meta = build(
-        params,
-        vocab=10,
-        output=[[], [1], [2], [3]],
-        eos=[0, 0, 0, None],
-        generators=[torch.Generator(), None, None, seeded],
+        params, vocab=10, output=[[], [1], [2], [3]], eos=[0, 0, 0, None], seeds=[5, None, None, 2**64 - 1]
     )
     assert meta.temperature.tolist() == [0.0, 1.0, 1.0, 1.0]
     assert not meta.all_greedy
     assert meta.top_k.tolist() == [10, 10, 3, 10]  # 0, -1 and beyond-vocab all mean "off"
     assert meta.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0, 1.0])
     assert meta.min_p is None
-    assert meta.generators == {3: seeded}  # the greedy row never draws
+    # The greedy row never draws; the key's 64 bits as an int64 holds them.
+    assert meta.seeded.tolist() == [False, False, False, True] and meta.seed_keys.tolist() == [0, 0, 0, -1]
     assert meta.presence_penalties.tolist() == [0.0, 0.0, 0.5, 0.0]
     assert meta.frequency_penalties is None
     assert meta.repetition_penalties.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.2])
@@ -260,5 +255,5 @@ def test_build_sampling_metadata_leaves_out_what_no_row_needs():
     assert meta.all_greedy
     assert meta.top_k is meta.top_p is meta.min_p is None
     assert meta.presence_penalties is meta.frequency_penalties is meta.repetition_penalties is None
-    assert meta.min_tokens == {} and meta.logit_bias == {} and meta.generators == {}
+    assert meta.min_tokens == {} and meta.logit_bias == {} and meta.seed_keys is meta.seeded is None
     assert meta.max_num_logprobs is None
