@@ -40,10 +40,9 @@ class StagingGuard:
 
 
 class StagedBuffer:
-    """A preallocated device tensor with a host twin that numpy writes into (pinned on CUDA).
-
-    `np` is the host buffer as a numpy array; `to_device(n)` copies its first `n` entries along the
-    first dimension without waiting and returns those entries of the device tensor.
+    """A preallocated device tensor (`on_device`) with a host twin (`host`, pinned on CUDA) that
+    numpy writes into (`np`); `to_device(n)` copies the first `n` entries along the first dimension
+    without waiting and returns those entries of the device tensor.
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
@@ -52,7 +51,7 @@ class StagedBuffer:
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         on_cuda = device.type == "cuda"
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
-        self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.host
+        self.on_device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.host
         self.np: np.ndarray = self.host.numpy()
 
     def put(self, values: np.ndarray) -> torch.Tensor:
@@ -61,23 +60,23 @@ class StagedBuffer:
         n = len(values)
         if n > self.host.shape[0]:
             shape = (max(n, 2 * self.host.shape[0]), *self.host.shape[1:])
-            self._allocate(shape, self.host.dtype, self.device.device)
+            self._allocate(shape, self.host.dtype, self.on_device.device)
         self.np[:n] = values
         return self.to_device(n)
 
     def to_device(self, n: int) -> torch.Tensor:
-        if self.device is not self.host:
-            self.device[:n].copy_(self.host[:n], non_blocking=True)
-        return self.device[:n]
+        if self.on_device is not self.host:
+            self.on_device[:n].copy_(self.host[:n], non_blocking=True)
+        return self.on_device[:n]
 
     def copy_rows(self, row: int, start: int | None = None, end: int | None = None) -> None:
         """Copy entry `row` to the device (of a two-dimensional buffer: its entries start..end)."""
-        if self.device is self.host:
+        if self.on_device is self.host:
             return
         if start is None:
-            self.device[row : row + 1].copy_(self.host[row : row + 1], non_blocking=True)
+            self.on_device[row : row + 1].copy_(self.host[row : row + 1], non_blocking=True)
         else:
-            self.device[row, start:end].copy_(self.host[row, start:end], non_blocking=True)
+            self.on_device[row, start:end].copy_(self.host[row, start:end], non_blocking=True)
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -105,11 +105,11 @@ class InputBatch:
     @property
     def device_block_table(self) -> torch.Tensor:
         """The device copy, current once the step's changes are sent (`set_blocks` sends them)."""
-        return self._block_table.device
+        return self._block_table.on_device
 
     def sampling_values(self, rows: torch.Tensor) -> SamplingValues:
         """The sampling settings of `rows` (row indices on the device, repeats allowed)."""
-        return SamplingValues(self._floats.device[rows], self._top_k.device[rows])
+        return SamplingValues(self._floats.on_device[rows], self._top_k.on_device[rows])
 
     def add(self, new: NewSequenceData) -> WorkerSequenceState:
         if not self._free_rows:
