@@ -10,8 +10,8 @@ import pytest
 
 
 def sampler_page_faults(mode: str) -> dict[str, float]:
-    """Minor page faults per Sampler call by row count (temperature 1.0, SmolLM2's vocabulary), in a
-    fresh process: the thresholds are process-wide and stay set."""
+    """The median call's minor page faults by row count (Sampler at temperature 1.0, SmolLM2's
+    vocabulary), in a fresh process: the thresholds are process-wide and stay set."""
     command = [sys.executable, "-m", "benchmarks.host_malloc", "--child", mode]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     result = json.loads(done.stdout.split("RESULT ", 1)[1])
