@@ -51,6 +51,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -515,14 +517,15 @@ void quant_embedding(const at::Tensor& quants, const at::Tensor& scales, int64_t
 // Activations quantized per block of 32: int8 quants, a float32 scale and the sums of the quants
 
 struct QuantizedActivations {
-  std::vector<int8_t> quants;     // [M, in]
-  std::vector<float> scales;      // [M, blocks]
-  std::vector<int32_t> sums;      // [M, blocks]
-  std::vector<int32_t> low_sums;  // [M, blocks]: the sums of each block's first 16 quants
-  std::vector<float> scaled_sums;  // [M, blocks]: scale times sum, what a format's min is multiplied by
+  // Allocated without zeroing: quantize_activations writes every value, the padding rows' zeros too.
+  std::unique_ptr<int8_t[]> quants;         // [M, in]
+  std::unique_ptr<float[]> scales;          // [M, blocks]
+  std::unique_ptr<int32_t[]> sums;          // [M, blocks]
+  std::unique_ptr<int32_t[]> low_sums;      // [M, blocks]: the sums of each block's first 16 quants
+  std::unique_ptr<float[]> scaled_sums;     // [M, blocks]: scale times sum, what a format's min is multiplied by
   int64_t in_features, blocks;
 
-  const int8_t* block_quants(int64_t m, int64_t b) const { return quants.data() + m * in_features + b * kBlock; }
+  const int8_t* block_quants(int64_t m, int64_t b) const { return quants.get() + m * in_features + b * kBlock; }
   float scale(int64_t m, int64_t b) const { return scales[m * blocks + b]; }
   int32_t sum(int64_t m, int64_t b) const { return sums[m * blocks + b]; }
   int32_t low_sum(int64_t m, int64_t b) const { return low_sums[m * blocks + b]; }
@@ -533,36 +536,90 @@ struct QuantizedActivations {
 // multiplies 16 rows at a time and drops the padding's outputs.
 constexpr int64_t kPaddedRows = 16;
 
+// n values of a plain type, not zeroed (new T[n] default-initializes them).
+template <typename V>
+std::unique_ptr<V[]> uninitialized(int64_t n) {
+  return std::unique_ptr<V[]>(new V[n]);
+}
+
+// The largest |value| of a block of 32, NaN where one is NaN (so that, as for an infinity, the
+// block's scale makes its outputs NaN, as a float product's would be).
+template <typename T>
+float block_peak(const T* src) {
+  int64_t e = 0;
+  float peak = 0.f;
+#if defined(RAYPAGE_SIMD)
+  Vec peaks = set1(0.f);
+  bool nan = false;
+  for (; e < kBlock; e += kLanes) {
+    const Vec v = load_floats(src + e);
+    nan = nan || mask_bits(is_nan(v)) != 0;
+    peaks = max(peaks, max(v, sub(set1(0.f), v)));
+  }
+  peak = nan ? std::numeric_limits<float>::quiet_NaN() : reduce_max(peaks);
+#endif
+  for (; e < kBlock; ++e) {
+    const float magnitude = std::fabs(static_cast<float>(src[e]));
+    peak = std::isnan(magnitude) || magnitude > peak ? magnitude : peak;
+  }
+  return peak;
+}
+
+// Block i of the activations: its quants q = round(x / d) (to nearest even, by x * (1 / d)) with
+// d = max|x| / 127, and their sums; quants 0 where d is 0, infinite or NaN.
+template <typename T>
+void quantize_block(const T* src, int64_t i, QuantizedActivations& a) {
+  const float d = block_peak(src) / 127.f;
+  const float inverse = d > 0.f && std::isfinite(d) ? 1.f / d : 0.f;
+  int8_t* q = a.quants.get() + i * kBlock;
+  int32_t low_sum = 0, sum = 0;
+  if (inverse == 0.f) {
+    std::memset(q, 0, kBlock);
+  } else {
+    int64_t e = 0;
+#if defined(RAYPAGE_SIMD)
+    // |x| * inverse is 127 within a few ulps, so the clamp only guards the rounding; the sums of
+    // integral float32s below 2^24 are exact.
+    for (; e < kBlock; e += kLanes) {
+      const Vec rounded = min(max(round_nearest(mul(load_floats(src + e), set1(inverse))), set1(-127.f)), set1(127.f));
+      store_int8(q + e, rounded);
+      const auto part = static_cast<int32_t>(reduce_add(rounded));
+      sum += part;
+      if (e < 16) low_sum += part;
+    }
+#endif
+    for (; e < kBlock; ++e) {
+      q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(src[e]) * inverse), -127.f, 127.f));
+      sum += q[e];
+      if (e < 16) low_sum += q[e];
+    }
+  }
+  a.scales[i] = d;
+  a.sums[i] = sum;
+  a.low_sums[i] = low_sum;
+  a.scaled_sums[i] = d * static_cast<float>(sum);
+}
+
 template <typename T>
 QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t in_features) {
   const int64_t blocks = in_features / kBlock;
   const int64_t padded = (rows + kPaddedRows - 1) / kPaddedRows * kPaddedRows;
-  QuantizedActivations a{std::vector<int8_t>(padded * in_features), std::vector<float>(padded * blocks),
-                         std::vector<int32_t>(padded * blocks), std::vector<int32_t>(padded * blocks),
-                         std::vector<float>(padded * blocks), in_features, blocks};
+  QuantizedActivations a{uninitialized<int8_t>(padded * in_features),
+                         uninitialized<float>(padded * blocks),
+                         uninitialized<int32_t>(padded * blocks),
+                         uninitialized<int32_t>(padded * blocks),
+                         uninitialized<float>(padded * blocks),
+                         in_features,
+                         blocks};
   at::parallel_for(0, rows * blocks, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const T* src = x + i * kBlock;
-      // amax is NaN where a value is: then, as for an infinity, quants 0 and a scale that makes the
-      // outputs NaN, as a float product's would be (not quants of an undefined conversion).
-      float amax = 0.f;
-      for (int64_t e = 0; e < kBlock; ++e) {
-        const float magnitude = std::fabs(static_cast<float>(src[e]));
-        amax = std::isnan(magnitude) || magnitude > amax ? magnitude : amax;
-      }
-      const float d = amax / 127.f, inverse = d > 0.f && std::isfinite(d) ? 1.f / d : 0.f;
-      int8_t* q = a.quants.data() + i * kBlock;
-      int32_t sum = 0;
-      for (int64_t e = 0; e < kBlock; ++e) {
-        q[e] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(src[e]) * inverse), -127.f, 127.f));
-        sum += q[e];
-        if (e == 15) a.low_sums[i] = sum;
-      }
-      a.scales[i] = d;
-      a.sums[i] = sum;
-      a.scaled_sums[i] = d * static_cast<float>(sum);
-    }
+    for (int64_t i = begin; i < end; ++i) quantize_block(x + i * kBlock, i, a);
   });
+  const int64_t pad = (padded - rows) * blocks;
+  std::memset(a.quants.get() + rows * in_features, 0, pad * kBlock);
+  std::fill_n(a.scales.get() + rows * blocks, pad, 0.f);
+  std::fill_n(a.sums.get() + rows * blocks, pad, 0);
+  std::fill_n(a.low_sums.get() + rows * blocks, pad, 0);
+  std::fill_n(a.scaled_sums.get() + rows * blocks, pad, 0.f);
   return a;
 }
 
@@ -920,17 +977,34 @@ bool use_tiles(int64_t rows) {
 #endif
 }
 
+// Passes over a group from which the next group's weights are prefetched: with 8 passes (32 rows) or
+// more the kernel is bound by its arithmetic, and a group's first pass would otherwise wait on memory
+// (a 64-row 2048 -> 8192 product 6-7% faster with it, 8192 -> 2048 1-3%, Q4_K and Q8_0 on a Zen 4
+// EPYC, weights out of the caches); with fewer, the passes are bound by memory already, and the extra
+// requests slowed them (by a quarter at one row).
+constexpr int64_t kPrefetchMinPasses = 8;
+
+// Bytes [begin, end) of `data` fetched towards the L2 (prefetcht1 on x86).
+inline void prefetch_to_l2(const uint8_t* data, int64_t begin, int64_t end) {
+  for (int64_t offset = begin; offset < end; offset += 64) __builtin_prefetch(data + offset, 0, 2);
+}
+
 // Activation rows [row_begin, row_end) against one group, a pass over the group's weights per
 // kRowsPerPass rows, or per 16 on the AMX path (`tiles`); the weights stay in L1/L2 after the first
-// pass. Each output is the float32 sum plus the bias (float32, or null), rounded once to T.
+// pass, and each pass prefetches its share of the next group's weights (`next`, or null for none).
+// Each output is the float32 sum plus the bias (float32, or null), rounded once to T.
 template <int64_t F, typename T>
 void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t row_begin,
                    int64_t row_end, bool tiles, int64_t first_out, int64_t valid_out, const float* bias,
-                   int64_t out_features, T* out) {
+                   int64_t out_features, T* out, const uint8_t* next) {
   float sums[kPaddedRows][kGroupRows];
   const int64_t pass_rows = tiles ? kPaddedRows : kRowsPerPass;
-  for (int64_t m0 = row_begin; m0 < row_end; m0 += pass_rows) {
-    const int64_t count = std::min<int64_t>(pass_rows, row_end - m0);
+  const int64_t passes = (row_end - row_begin + pass_rows - 1) / pass_rows;
+  const int64_t group_bytes = a.blocks * kGroupBlockBytes<F>;
+  const int64_t slice = passes >= kPrefetchMinPasses && next ? (group_bytes + passes - 1) / passes : 0;
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    const int64_t m0 = row_begin + pass * pass_rows, count = std::min<int64_t>(pass_rows, row_end - m0);
+    prefetch_to_l2(next, pass * slice, std::min(group_bytes, (pass + 1) * slice));
 #if defined(RAYPAGE_QUANT_AMX)
     if (tiles)
       amx_group<F>(quants, scales, a, m0, sums);
@@ -946,9 +1020,11 @@ void gemv_all_rows(const uint8_t* quants, const uint16_t* scales, const Quantize
 }
 
 // Activation rows a thread takes against all its groups before the next rows: as many as keep their
-// quants within kSpanBytes, a multiple of the AMX path's 16 (a prefill chunk's, or even 128 rows of
-// 8192 features, 1 MiB of quants, would leave the L2 for each group).
-constexpr int64_t kSpanBytes = 256 << 10;
+// quants within kSpanBytes, a multiple of the AMX path's 16 (a prefill chunk's, or even 256 rows of
+// 8192 features, 2 MiB of quants, would leave the L2 for each group). 512 KiB, half a Zen 4's L2:
+// 64 rows of 8192 features in one span, where 256 KiB took two and so streamed each group's weights
+// from memory twice (a 64-row 8192 -> 2048 product 8-13% slower, Q4_K and Q8_0).
+constexpr int64_t kSpanBytes = 512 << 10;
 
 int64_t row_span(int64_t in_features) {
   return std::max<int64_t>(kPaddedRows, kSpanBytes / in_features / kPaddedRows * kPaddedRows);
@@ -995,7 +1071,8 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& quants, const at::T
         for (int64_t g = begin; g < end; ++g)
           gemv_all_rows<F>(q + g * group_bytes, s + g * group_scales, a, row_begin,
                            std::min(rows, row_begin + span), tiles, g * kGroupRows,
-                           std::min(kGroupRows, out_features - g * kGroupRows), b, out_features, o);
+                           std::min(kGroupRows, out_features - g * kGroupRows), b, out_features, o,
+                           g + 1 < end ? q + (g + 1) * group_bytes : nullptr);
     });
   };
   dispatch_format(format, [&](auto format_tag) {

@@ -59,6 +59,10 @@ inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  //
 inline float reduce_add(Vec x) { return _mm512_reduce_add_ps(x); }
 inline float reduce_max(Vec x) { return _mm512_reduce_max_ps(x); }
 inline Vec round_nearest(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// Lanes holding integers of [-128, 127] (as float32s) stored as kLanes int8s.
+inline void store_int8(int8_t* p, Vec integral) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(integral)));
+}
 // Per-lane comparisons (false where either side is NaN), as a mask that `select` takes and
 // `mask_bits` turns into one bit per lane, lane 0 lowest.
 using Mask = __mmask16;
@@ -130,6 +134,13 @@ inline float reduce_max(Vec x) {  // folded as reduce_add is
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 inline Vec round_nearest(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// Lanes holding integers of [-128, 127] (as float32s) stored as kLanes int8s: packed to 16 bits, then
+// 8, with signed saturation that such values never reach.
+inline void store_int8(int8_t* p, Vec integral) {
+  const __m256i ints = _mm256_cvtps_epi32(integral);
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
+}
 // Per-lane comparisons (false where either side is NaN), as a mask that `select` takes and
 // `mask_bits` turns into one bit per lane, lane 0 lowest.
 using Mask = __m256;

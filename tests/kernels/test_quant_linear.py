@@ -161,10 +161,10 @@ def test_int8_activations_exact_up_to_float32_order(ggml_type: T, shape: tuple[i
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [100, GEMV_MAX_ROWS])
 def test_rows_in_several_spans(ggml_type: T, rows: int) -> None:
-    """4096 features: the kernel takes 64 rows at a time against all of a thread's weights (their
+    """8192 features: the kernel takes 64 rows at a time against all of a thread's weights (their
     int8 quants stay in its L2), the last span partial at 100 rows. Exact int8 activations, so the
     float32 bound holds on either path."""
-    shape = (67, 4096)
+    shape = (67, 8192)
     _, weight = gguf_weight(ggml_type, shape)
     x = int8_blocks(rows, shape[1], torch.Generator().manual_seed(rows))
     error = (quantized_linear(x, packed(ggml_type, shape)).double() - x.double() @ weight.T).abs()
