@@ -7,10 +7,12 @@ hidden]) and Llama's (Mixtral's) Q and K rows permuted, as llama.cpp's converter
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -75,15 +77,27 @@ def _add_expert_settings(writer: gguf.GGUFWriter, config: dict) -> None:
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
-def copy_tokenizer(writer: gguf.GGUFWriter) -> None:
-    """The packaged SmolLM2's tokenizer (every `tokenizer.*` key) into `writer`."""
+@functools.cache
+def _packaged_tokenizer_fields() -> tuple[
+    tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None], ...
+]:
+    """The packaged SmolLM2's `tokenizer.*` keys as (name, value, type, element type), read once a
+    session: gguf-py takes seconds to parse the 49,152 tokens and their merges."""
     reader = gguf.GGUFReader(packaged_model_path())
+    fields = []
     for name, field in reader.fields.items():
         if not name.startswith("tokenizer."):
             continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), value_type, sub_type)
+        fields.append((name, field.contents(), value_type, sub_type))
+    return tuple(fields)
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """The packaged SmolLM2's tokenizer (every `tokenizer.*` key) into `writer`."""
+    for name, value, value_type, sub_type in _packaged_tokenizer_fields():
+        writer.add_key_value(name, value, value_type, sub_type)
 
 
 def write_gguf(
