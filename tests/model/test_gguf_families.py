@@ -33,20 +33,20 @@ _READER_DEFAULTS = {
     },
 }
 
-# The prompts are token ids, so the files carry no tokenizer (transformers' reader would spend
-# seconds on SmolLM2's three times over); the engine reads the checkpoint folder's.
-_ENGINE_SETTINGS = {"num_kv_blocks": 48, "max_num_batched_tokens": 16}
-
 
 @pytest.mark.parametrize("family", list(_READER_DEFAULTS))
 def test_gguf_family_matches_transformers(tmp_path, family):
     folder = write_family_model(tmp_path / family, family, **_READER_DEFAULTS[family])
     config = json.loads((folder / "config.json").read_text())
+    # The prompts are token ids, so the file carries no tokenizer (transformers' reader would spend
+    # seconds on SmolLM2's three times over); the engine reads the checkpoint folder's.
     path = write_gguf(folder, config, tmp_path / f"{family}.gguf", with_tokenizer=False)
     hf = AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    outputs = engine_greedy(path, PROMPTS, 10, **_ENGINE_SETTINGS, tokenizer=str(folder))
+    outputs = engine_greedy(
+        path, PROMPTS, 10, num_kv_blocks=48, max_num_batched_tokens=16, tokenizer=str(folder)
+    )
     for output, prompt in zip(outputs, PROMPTS, strict=True):
         assert output == hf_greedy(hf, prompt, 10)
 
@@ -67,6 +67,8 @@ def test_gguf_experts_match_transformers(tmp_path, options):
     config = json.loads((folder / "config.json").read_text())
     path = write_gguf(folder, config, tmp_path / "model.gguf", with_tokenizer=False)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    outputs = engine_greedy(path, PROMPTS, 10, **_ENGINE_SETTINGS, tokenizer=str(folder))
+    outputs = engine_greedy(
+        path, PROMPTS, 10, num_kv_blocks=48, max_num_batched_tokens=16, tokenizer=str(folder)
+    )
     for output, prompt in zip(outputs, PROMPTS, strict=True):
         assert output == hf_greedy(hf, prompt, 10)
