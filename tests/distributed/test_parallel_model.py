@@ -14,6 +14,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -60,22 +61,32 @@ def assert_logprobs_close(reference, tested, exact: bool) -> None:
                 assert abs(ref_top[token].logprob - test_top[token].logprob) < 1e-3, (position, token)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def tiny_model(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[bool, Path]:
+    """The tiny model by whether its LM head is tied to the embedding table."""
     folder = tmp_path_factory.mktemp("tiny-parallel")
-    return write_tiny_model(folder / "model", num_heads=4, num_kv_heads=2, tie_word_embeddings=request.param)
+    return {
+        tied: write_tiny_model(folder / f"tied-{tied}", num_heads=4, num_kv_heads=2, tie_word_embeddings=tied)
+        for tied in (False, True)
+    }
 
 
 @pytest.fixture(scope="module")
-def tiny_reference(tiny_model):
-    return generate(LLM(str(tiny_model), **TINY))
+def tiny_references(tiny_models):
+    return {tied: generate(LLM(str(model), **TINY)) for tied, model in tiny_models.items()}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-def test_tiny_model_layouts_match_one_worker(tiny_model, tiny_reference, layout):
-    llm = LLM(str(tiny_model), distributed_executor_backend="mp", **TINY, **LAYOUTS[layout])
+# Every layout with a tied head, whose table the last stage and each TP rank must find though the first
+# stage owns the embedding; an untied head where both splits are.
+@pytest.mark.parametrize(
+    ("layout", "tied"),
+    [("tp2", True), ("pp2", True), ("tp2pp2", True), ("tp2pp2", False)],
+    ids=["tied-tp2", "tied-pp2", "tied-tp2pp2", "untied-tp2pp2"],
+)
+def test_tiny_model_layouts_match_one_worker(tiny_models, tiny_references, layout, tied):
+    llm = LLM(str(tiny_models[tied]), distributed_executor_backend="mp", **TINY, **LAYOUTS[layout])
     try:
-        assert_logprobs_close(tiny_reference, generate(llm), exact=layout == "pp2")
+        assert_logprobs_close(tiny_references[tied], generate(llm), exact=layout == "pp2")
         check_structured_outputs(llm)
         check_kv_cache_shards(llm, **LAYOUTS[layout])
         if layout == "pp2":
@@ -179,8 +190,8 @@ def test_layout_errors_say_what_would_work():
     assert resolve_engine_config(spread).parallel.world_size == 270
 
 
-def test_killed_tensor_parallel_worker_fails_generation(tiny_model):
-    llm = LLM(str(tiny_model), distributed_executor_backend="mp", tensor_parallel_size=2, **TINY)
+def test_killed_tensor_parallel_worker_fails_generation(tiny_models):
+    llm = LLM(str(tiny_models[False]), distributed_executor_backend="mp", tensor_parallel_size=2, **TINY)
     pids = [info["pid"] for info in llm.collective_rpc("process_info")]
     failure: list[BaseException] = []
 
