@@ -1,7 +1,7 @@
 """Stopping `raypage api-server` and `raypage serve` leaves nothing of their process group behind.
 
-Each server runs in a process group of its own, as a shell job does, with a stream in flight. SIGTERM
-(a supervisor's stop) drains the stream to its end; Ctrl-C twice (SIGINT to the whole group, as a
+Each server runs in a process group of its own, as a shell job does, with streams in flight. SIGTERM
+(a supervisor's stop) drains them to their ends, each with the text it has alone; Ctrl-C twice (SIGINT to the whole group, as a
 terminal sends it) stops the server within FORCED_STOP_S of the second. Either way, by the time the
 server process has exited every other process of its group (engine core, workers, Ray's processes,
 HAProxy) has too, or does within GROUP_GONE_S: none is left as an orphan.
@@ -22,6 +22,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from openai.types import Completion
 
 from tests.cluster.remote_server import REPO_ROOT, RemoteServer, free_port
 from tests.model.tiny_models import write_tiny_model
@@ -34,8 +35,10 @@ ENGINE_FLAGS = [
 # The smallest local cluster that holds one replica.
 SERVE_FLAGS = [*("--num-cpus", "2", "--llm-server-cpus", "1", "--object-store-memory", str(100 << 20))]
 # The tiny model has no end-of-sequence token: a stream runs exactly this many steps, enough that
-# it is still running when the signal comes, few enough to drain in well under the drain timeout.
+# the streams are still running when the signal comes, few enough to drain in well under the drain
+# timeout.
 STREAM_MAX_TOKENS = 200
+PROMPTS = [f"Once upon a time {index}" for index in range(4)]
 # What the issue asks: the second Ctrl-C stops the server within 5 s, and the group is empty 1 s
 # after the server exited.
 FORCED_STOP_S = 5.0
@@ -81,26 +84,38 @@ def wait_for_log(server: RemoteServer, text: str) -> None:
         time.sleep(0.05)
 
 
-def start_stream(server: RemoteServer) -> Iterator[openai.types.Completion]:
-    """A stream in flight: its first chunk has arrived."""
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client_of(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def start_stream(server: RemoteServer, prompt: str = PROMPTS[0]) -> tuple[str, Iterator[Completion]]:
+    """A stream in flight: its first chunk has arrived. That chunk's text, and the rest to come."""
     stream = iter(
-        client.completions.create(
-            model=MODEL, prompt="Once upon a time", max_tokens=STREAM_MAX_TOKENS, temperature=0, stream=True
+        client_of(server).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=STREAM_MAX_TOKENS, temperature=0, stream=True
         )
     )
-    next(stream)
-    return stream
+    return next(stream).choices[0].text, stream
 
 
 def stop_with_sigterm(server: RemoteServer) -> None:
-    """SIGTERM to the server alone: the stream in flight runs to its end, then the server exits 0."""
+    """SIGTERM to the server alone, with streams in flight: each runs to its end with the text it has
+    alone, then the server exits 0."""
     pgid = os.getpgid(server.process.pid)
-    stream = start_stream(server)
+    alone = [
+        client_of(server)
+        .completions.create(model=MODEL, prompt=prompt, max_tokens=STREAM_MAX_TOKENS, temperature=0)
+        .choices[0]
+        .text
+        for prompt in PROMPTS
+    ]
+    streams = [start_stream(server, prompt) for prompt in PROMPTS]
     server.process.send_signal(signal.SIGTERM)
-    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
-    assert chunks[-1].finish_reason == "length"
-    assert len(chunks) == STREAM_MAX_TOKENS - 1  # after the first
+    drained = []
+    for first_text, stream in streams:
+        chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+        drained.append((first_text + "".join(chunk.text for chunk in chunks), chunks[-1].finish_reason))
+    assert drained == [(text, "length") for text in alone]
     assert server.process.wait(timeout=EXIT_TIMEOUT_S) == 0, server.log_tail()
     assert_group_gone(pgid)
 
@@ -109,7 +124,7 @@ def stop_with_two_ctrl_c(server: RemoteServer, draining_marker: str) -> None:
     """SIGINT to the whole group once, and again once the server drains (it logs `draining_marker`):
     the server stops within FORCED_STOP_S of the second, though its stream is still in flight."""
     pgid = os.getpgid(server.process.pid)
-    stream = start_stream(server)
+    _, stream = start_stream(server)
     os.killpg(pgid, signal.SIGINT)
     wait_for_log(server, draining_marker)
     os.killpg(pgid, signal.SIGINT)
