@@ -13,9 +13,9 @@ from engine.models.model_files import packaged_model_path
 from tests.model.tiny_models import write_tiny_model
 from tests.spec_decode.test_ngram_engine import PROMPTS, TIGHT
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SEEDED = [
-    SamplingParams(temperature=0.8, top_p=0.95, seed=seed, presence_penalty=0.3, max_tokens=40, logprobs=1)
+    SamplingParams(temperature=0.8, top_p=0.95, seed=seed, presence_penalty=0.3, max_tokens=24, logprobs=1)
     for seed in range(len(PROMPTS))
 ]
 
