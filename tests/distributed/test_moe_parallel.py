@@ -47,22 +47,27 @@ def generate(llm: LLM):
 
 
 @pytest.mark.slow  # worker processes
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_tensor_and_expert_parallel_match_one_worker(request, family):
+# Qwen3's routed experts each split (TP) and the experts split (EP); Qwen2's shared expert, which
+# both layouts split as they split a dense MLP, under EP only.
+@pytest.mark.parametrize(
+    ("family", "expert_parallel"),
+    [("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", True)],
+    ids=["qwen3_moe-tp", "qwen3_moe-ep", "qwen2_moe-ep"],
+)
+def test_tensor_and_expert_parallel_match_one_worker(request, family, expert_parallel):
     folder = request.getfixturevalue(family)
     reference = generate(LLM(str(folder), **TINY))
-    for expert_parallel in (False, True):
-        llm = LLM(
-            str(folder),
-            distributed_executor_backend="mp",
-            tensor_parallel_size=2,
-            enable_expert_parallel=expert_parallel,
-            **TINY,
-        )
-        try:
-            assert_logprobs_close(reference, generate(llm), exact=False)
-        finally:
-            llm.llm_engine.shutdown()
+    llm = LLM(
+        str(folder),
+        distributed_executor_backend="mp",
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+        **TINY,
+    )
+    try:
+        assert_logprobs_close(reference, generate(llm), exact=False)
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_expert_layout_errors_name_the_setting(qwen3_moe):
