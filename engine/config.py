@@ -114,7 +114,10 @@ class CacheConfig(_Section):
         0.9, gt=0.0, le=1.0, description="Share of GPU memory the engine may use on CUDA"
     )
     swap_space: float = Field(
-        4.0, ge=0.0, description="GiB of host memory per worker for KV blocks swapped out of the device"
+        4.0,
+        ge=0.0,
+        description="GiB of host memory per worker for KV blocks swapped out of the device, at most "
+        "what max_num_seqs sequences of max_model_len tokens fill",
     )
 
     @field_validator("kv_cache_memory", mode="before")

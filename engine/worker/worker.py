@@ -96,7 +96,7 @@ class Worker:
             block_bytes += CacheEngine.bytes_per_block(
                 cache.block_size, runner.draft.kv_cache_spec(), runner.kv_cache_dtype
             )
-        num_cpu_blocks = int(cache.swap_space * GiB) // block_bytes
+        num_cpu_blocks = min(int(cache.swap_space * GiB) // block_bytes, self._most_blocks_swapped_at_once())
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks, num_cpu_blocks
         if self.device.type == "cuda":
@@ -131,6 +131,16 @@ class Worker:
                 "lower max_num_batched_tokens / max_num_seqs or raise kv_cache_memory / gpu_memory_utilization"
             )
         return int(num_blocks), num_cpu_blocks
+
+    def _most_blocks_swapped_at_once(self) -> int:
+        """What the swap pool can ever hold: the scheduler admits no request while one is swapped
+        out, so the rows swapped out and running are at most max_num_seqs, each row of at most
+        max_model_len tokens and its draft's lookahead. A tiny model's blocks are small enough that
+        swap_space alone would make millions of them, each a host-side object of the scheduler's."""
+        speculative = self.config.speculative.speculative_config
+        lookahead = speculative.num_speculative_tokens if speculative is not None else 0
+        row_blocks = -(-(self.config.model.max_model_len + lookahead) // self.config.cache.block_size)
+        return self.config.scheduler.max_num_seqs * row_blocks
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """Allocate the KV cache, then capture the decode graphs over it where they are used.

@@ -196,3 +196,13 @@ def test_limits_checked_against_the_model(llm):
         )
         == 3
     )
+
+
+def test_the_swap_pool_holds_what_max_num_seqs_rows_can_swap_out(tiny_model):
+    # The tiny model's block is 8 KiB (2 layers x K and V x 2 heads x 16 tokens x 16 dims x 4 bytes):
+    # swap_space's default 4 GiB would be half a million of them. No request is admitted while one
+    # is swapped out, so at most max_num_seqs rows of max_model_len tokens (13 blocks) ever are.
+    llm = LLM(tiny_model, dtype="float32", num_kv_blocks=14, block_size=16, max_model_len=200, max_num_seqs=3)
+    assert scheduler_of(llm).kv_cache_manager.cpu_pool.num_blocks == 3 * 13
+    # Where swap_space holds fewer, it is the bound: 0.01 GiB of 8 KiB blocks.
+    assert scheduler_of(tight_llm(tiny_model)).kv_cache_manager.cpu_pool.num_blocks == (2**30 // 100) // 8192
