@@ -30,12 +30,20 @@ from engine.exceptions import EngineDeadError
 from engine.executor.base import Executor
 from engine.outputs import ModelRunnerOutput, PendingBitmask, SchedulerOutput
 from engine.process.process_utils import StopOnReleaseOrExit, available_cores, describe_exit
-from engine.worker.worker_proc import run_worker
 
 logger = logging.getLogger(__name__)
 
 _EXIT_GRACE_S = 5.0  # how long shutdown lets workers leave on their own before terminating them
 _KILL_GRACE_S = 2.0  # how long a terminated worker gets before SIGKILL
+
+
+def _run_worker(*args: Any) -> None:
+    """A worker process's entry point: `engine.worker.worker_proc.run_worker`, imported there. The
+    executor's own process (the engine core) runs no model: importing the worker's stack (torch and
+    the model code) only to name its entry point cost it about a second of each start-up."""
+    from engine.worker.worker_proc import run_worker
+
+    run_worker(*args)
 
 
 class MultiprocExecutor(Executor):
@@ -182,7 +190,7 @@ class _WorkerGroup:
             request_reader, request_writer = context.Pipe(duplex=False)
             response_reader, response_writer = context.Pipe(duplex=False)
             process = context.Process(
-                target=run_worker,
+                target=_run_worker,
                 args=(config, rank, rank, init_method, num_threads, request_reader, response_writer),
                 name=f"raypage-worker-{rank}",
                 daemon=True,
