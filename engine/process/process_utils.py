@@ -83,6 +83,10 @@ def stop_resource_tracker_if_unused() -> None:
     if multiprocessing.active_children():
         return
     tracker = multiprocessing.resource_tracker._resource_tracker
+    # A spawned process shares its parent's tracker (its descriptor, not its pid): that one is the
+    # parent's to stop, and stopping it here would fail on the pid it does not know.
+    if getattr(tracker, "_pid", None) is None:
+        return
     # Private API (CPython 3.8+), which the standard library's tests use for the same purpose.
     stop = getattr(tracker, "_stop", None)
     if stop is not None:

@@ -56,3 +56,14 @@ def test_the_resource_tracker_is_stopped_and_reaped_once_no_child_is_left():
     process.join()
     stop_resource_tracker_if_unused()
     assert tracker._pid is None and not psutil.pid_exists(tracker_pid)  # reaped, not a zombie
+
+
+def test_a_spawned_process_leaves_its_parents_tracker_alone():
+    # The child shares the tracker's descriptor but not its pid: stopping it there is the parent's job.
+    context = multiprocessing.get_context("spawn")
+    child = context.Process(target=stop_resource_tracker_if_unused)
+    child.start()
+    child.join(timeout=60)
+    tracker = multiprocessing.resource_tracker._resource_tracker
+    assert child.exitcode == 0 and tracker._pid is not None and psutil.pid_exists(tracker._pid)
+    stop_resource_tracker_if_unused()
