@@ -29,7 +29,7 @@ PROMPTS = [
     f"Repeat this sentence exactly.\n{PASSAGE}\nAgain:\n",  # shares the first prompt's prefix
     "List the numbers: one two three four one two three four one two",
 ]
-# Chunked prefill (32 tokens a step) over 12 blocks of 16: four sequences of ~50 prompt and 64
+# Chunked prefill (32 tokens a step) over 12 blocks of 16: four sequences of ~50 prompt and 40
 # output tokens do not fit together, so some are preempted and recomputed.
 TIGHT = {"num_kv_blocks": 12, "block_size": 16, "max_num_batched_tokens": 32, "max_num_seqs": 4}
 
@@ -56,7 +56,7 @@ def scheduler_of(llm: LLM):
 
 def test_greedy_outputs_are_those_without_speculation(engines):
     plain, speculating = engines
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = [output.token_ids for output in generate(plain, params)]
     before = scheduler_of(speculating).num_preemptions
     assert [output.token_ids for output in generate(speculating, params)] == expected
@@ -82,7 +82,7 @@ def test_seeded_sampling_and_logprobs_are_those_without_speculation(engines):
             frequency_penalty=0.1,
             min_tokens=8,
             logit_bias={13: -2.0},
-            max_tokens=40,
+            max_tokens=24,
             logprobs=2,
         )
         for seed in range(len(PROMPTS))
