@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import tempfile
@@ -57,18 +58,31 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> PreTrainedTokenizerBase:
     """The model's tokenizer from local files: `tokenizer` (a folder) if given, else the model's own."""
-    from transformers import AutoTokenizer
-
     if tokenizer is not None:
         path = Path(tokenizer).expanduser()
         if not path.exists():
             raise FileNotFoundError(
                 f"tokenizer {tokenizer!r}: no such folder (tokenizers are read from local files only)"
             )
-        return AutoTokenizer.from_pretrained(path)
+        return _load_folder_tokenizer(path)
     if source.format == "gguf":
         return load_gguf_tokenizer(source.path)
-    return AutoTokenizer.from_pretrained(source.path)
+    return _load_folder_tokenizer(source.path)
+
+
+def _load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """AutoTokenizer on a folder, given the folder's config.json as a plain PretrainedConfig when it
+    has one. Left to find the config itself, AutoTokenizer builds the family's own config class,
+    whose import (the family's modeling helpers, torch's distributed tensors) is about a second of
+    each server's start-up, to read the model_type and tokenizer_class that the plain one holds too."""
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return AutoTokenizer.from_pretrained(folder)
+    config = PretrainedConfig.from_dict(json.loads(config_file.read_text()))
+    config.name_or_path = str(folder)  # as AutoConfig names it: some rules match on it
+    return AutoTokenizer.from_pretrained(folder, config=config)
 
 
 def tokenizer_json(model_path: Path, model_format: str, tokenizer: str | None = None) -> str:
@@ -85,9 +99,7 @@ def tokenizer_json(model_path: Path, model_format: str, tokenizer: str | None = 
     if tokenizer is None and model_format == "gguf":
         loaded = load_gguf_tokenizer(model_path)
     else:
-        from transformers import AutoTokenizer
-
-        loaded = AutoTokenizer.from_pretrained(folder)
+        loaded = _load_folder_tokenizer(folder)
     if not loaded.is_fast:
         raise ValueError(f"{folder}: structured outputs need a fast tokenizer (a tokenizer.json)")
     return loaded.backend_tokenizer.to_str()
