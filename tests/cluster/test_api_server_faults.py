@@ -51,6 +51,7 @@ def server(fault: str, tiny_model: Path, tmp_path: Path) -> Iterator[RemoteServe
     server.stop()
 
 
+@pytest.mark.slow
 def test_killed_process_fails_the_stream_and_the_server_exits(fault: str, server: RemoteServer) -> None:
     (core,) = spawned_children(psutil.Process(server.process.pid))
     workers = spawned_children(core)

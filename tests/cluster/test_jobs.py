@@ -198,6 +198,7 @@ def test_a_results_file_cuts_a_torn_last_line_and_refuses_a_foreign_file(tmp_pat
         ResultsFile(path)
 
 
+@pytest.mark.slow
 def test_a_killed_job_resumes_with_every_line_exactly_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -355,6 +356,7 @@ def submit_batch_job(head: RayHead, *batch_args: str) -> subprocess.CompletedPro
     )
 
 
+@pytest.mark.slow
 def test_ray_job_submit_runs_the_batch(
     ray_head: RayHead, tmp_path: Path, reference: list[dict[str, Any]]
 ) -> None:
@@ -383,6 +385,7 @@ def test_ray_job_submit_runs_the_batch(
     assert not any((upload / ".venv").exists() for upload in uploads)
 
 
+@pytest.mark.slow
 def test_a_job_with_an_unreadable_input_fails(ray_head: RayHead, tmp_path: Path) -> None:
     missing = tmp_path / "missing.jsonl"
     result = submit_batch_job(ray_head, "--input", str(missing), "--output", str(tmp_path / "out.jsonl"))

@@ -132,6 +132,7 @@ def prompt(index: int) -> list[int]:
     return [2000 + index, *range(1000, 1000 + 2 * ENGINE["block_size"])]
 
 
+@pytest.mark.slow
 def test_models_lists_static_and_dynamic_adapters(client: openai.OpenAI, adapters: dict[str, Path]) -> None:
     cards = {card.id: card.model_extra for card in client.models.list().data}
     assert list(cards) == [MODEL, "sql", *(f"{MODEL}:{name}" for name in sorted(DYNAMIC))]
@@ -141,6 +142,7 @@ def test_models_lists_static_and_dynamic_adapters(client: openai.OpenAI, adapter
         complete(client, f"{MODEL}:nl", prompt(0))
 
 
+@pytest.mark.slow
 def test_an_adapter_matches_its_merged_reference(
     client: openai.OpenAI, tiny_model: Path, adapters: dict[str, Path]
 ) -> None:
@@ -150,6 +152,7 @@ def test_an_adapter_matches_its_merged_reference(
         assert complete(client, served, prompt(0)) == tokenizer.decode(reference, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_one_replica_serving_the_app_itself_runs_the_same_adapters(app: str, client: openai.OpenAI) -> None:
     one = openai.OpenAI(base_url=app + "/one/v1", api_key="unused", max_retries=0, timeout=120)
     assert {card.id for card in one.models.list().data} == {card.id for card in client.models.list().data}
@@ -158,6 +161,7 @@ def test_one_replica_serving_the_app_itself_runs_the_same_adapters(app: str, cli
     assert adapter_requests(app + "/one", "sql") == 1
 
 
+@pytest.mark.slow
 def test_requests_for_an_adapter_land_where_it_is_loaded(app: str, client: openai.OpenAI) -> None:
     """Sent one after the other, every request for an adapter goes to the one replica holding it (the
     other would load it too: with Serve's pow2 routing all six land on one replica 1 time in 32)."""
@@ -169,6 +173,7 @@ def test_requests_for_an_adapter_land_where_it_is_loaded(app: str, client: opena
     assert adapter_requests(app, f"{MODEL}:de") == before + 6
 
 
+@pytest.mark.slow
 def test_a_replica_holds_at_most_max_num_adapters(client: openai.OpenAI) -> None:
     texts = {name: complete(client, f"{MODEL}:{name}", prompt(1)) for name in DYNAMIC}
     texts["sql"] = complete(client, "sql", prompt(1))
@@ -182,6 +187,7 @@ def test_a_replica_holds_at_most_max_num_adapters(client: openai.OpenAI) -> None
     assert all(len(names) <= MAX_ADAPTERS for names in replica_adapters())
 
 
+@pytest.mark.slow
 def test_runtime_load_and_unload_through_the_ingress(
     app: str, client: openai.OpenAI, adapters: dict[str, Path]
 ) -> None:

@@ -133,6 +133,7 @@ def expected(model: Path) -> list[str]:
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.slow
 def test_streams_of_a_killed_replica_continue_on_the_other(
     base_url: str, model: Path, expected: list[str]
 ) -> None:
@@ -180,6 +181,7 @@ def killed_stream_error(base_url: str) -> openai.APIError:
     return error.value
 
 
+@pytest.mark.slow
 def test_with_failover_off_the_stream_ends_with_a_clear_error(base_url: str, model: Path) -> None:
     deploy(model, num_replicas=1, failover=False)
     try:
@@ -190,6 +192,7 @@ def test_with_failover_off_the_stream_ends_with_a_clear_error(base_url: str, mod
         serve.delete(APP)
 
 
+@pytest.mark.slow
 def test_without_a_replica_within_the_timeout_the_stream_ends_with_a_clear_error(
     base_url: str, model: Path
 ) -> None:

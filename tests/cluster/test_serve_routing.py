@@ -90,6 +90,7 @@ def wait_until_deleted(names: list[str], timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_kv_aware_routing_hits_the_prefix_cache_more_than_pow2(base_url: str, model: Path) -> None:
     # Started together, the apps' replicas overlap their start-ups (most of this test's time); each
     # app's workload still runs alone, one after the other, on caches no other request has touched.

@@ -21,7 +21,7 @@ from tests.cluster.local_ray_cluster import serve_on_local_cluster
 from tests.model.tiny_models import write_tiny_model
 
 # The short look-back below is this test's choice (Serve warns that it is shorter than a deprecated default).
-pytestmark = pytest.mark.filterwarnings("ignore:`look_back_period_s`:FutureWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`look_back_period_s`:FutureWarning")]
 
 APP = "raypage"
 PROMPT = "The capital of France is"

@@ -17,6 +17,8 @@ import pytest
 from engine import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from engine.process.core import EngineCore
 
+pytestmark = pytest.mark.slow  # SmolLM2 in float32, two engines and the tight pair
+
 PROMPTS = ["The capital of France is", "Count: 1, 2, 3,", "Once upon a time"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 

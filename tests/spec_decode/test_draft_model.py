@@ -47,6 +47,7 @@ def speculating_llm(draft_path, k: int = 3) -> LLM:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["self", "tiny"])
 def test_draft_model_outputs_are_those_without_speculation(expected, tiny_draft, draft):
     llm = speculating_llm(packaged_model_path() if draft == "self" else tiny_draft)

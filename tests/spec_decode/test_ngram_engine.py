@@ -17,6 +17,8 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 
+pytestmark = pytest.mark.slow  # SmolLM2 with and without speculation, in two dtypes
+
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PASSAGE = (
     "The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree, "

@@ -7,6 +7,7 @@ import json
 
 import httpx
 import openai
+import pytest
 
 from engine import LLM, SamplingParams
 from tests.cluster.remote_server import RemoteServer
@@ -15,6 +16,7 @@ from tests.spec_decode.test_ngram_engine import PROMPTS, SPEC
 MAX_TOKENS = 48
 
 
+@pytest.mark.slow
 def test_served_speculation_matches_the_engine_without_it(tmp_path):
     plain = LLM(dtype="float32", num_kv_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -20,6 +20,7 @@ def dry_run(tmp_path_factory) -> tuple[dict, object]:
     return gpu_check.main(["--dry-run", "--out", str(out)]), out
 
 
+@pytest.mark.slow
 def test_decode_bytes_count_every_weight_but_the_embedding_once_plus_the_kv_cache(dry_run):
     _, out = dry_run
     folder = out / "llama-tiny"
@@ -69,6 +70,7 @@ def test_peak_bandwidth_follows_the_device_name():
     assert gpu_check.peak_hbm_bytes_per_s("NVIDIA H200") == 4.8e12
 
 
+@pytest.mark.slow
 def test_dry_run_checks_the_backends_and_benchmarks_eager_and_graph_modes(dry_run):
     summary, out = dry_run
     assert summary["device"] == "cpu" and "pytest_gpu" not in summary
@@ -91,6 +93,7 @@ def test_dry_run_checks_the_backends_and_benchmarks_eager_and_graph_modes(dry_ru
     assert "| llama-tiny-graphs |" in table and "HBM share" in table
 
 
+@pytest.mark.slow
 def test_the_written_llama_loads_in_transformers(dry_run):
     from transformers import AutoModelForCausalLM
 
@@ -100,6 +103,7 @@ def test_the_written_llama_loads_in_transformers(dry_run):
     assert model(torch.tensor([[5, 6, 7]])).logits.shape[-1] == model.config.vocab_size
 
 
+@pytest.mark.slow
 def test_pytest_stage_collects_the_gpu_tests_without_ray(tmp_path):
     # On the CPU every gpu test is skipped; the stage must still collect them all without errors.
     result = gpu_check.run_pytest(tmp_path, timeout_s=300)
