@@ -15,6 +15,7 @@ from engine.config import ResolvedEngineConfig
 from engine.lora.request import LoRARequest
 from engine.lora.worker_slots import LoRAWorkerSlots
 from engine.outputs import ModelRunnerOutput, PendingBitmask, SchedulerOutput
+from engine.sched.kv_cache_manager import cdiv
 from engine.worker.cache_engine import CacheEngine
 from engine.worker.cuda_graphs import cuda_graphs_disabled_reason, graph_memory_estimate
 from engine.worker.memory import (
@@ -139,7 +140,7 @@ class Worker:
         swap_space alone would make millions of them, each a host-side object of the scheduler's."""
         speculative = self.config.speculative.speculative_config
         lookahead = speculative.num_speculative_tokens if speculative is not None else 0
-        row_blocks = -(-(self.config.model.max_model_len + lookahead) // self.config.cache.block_size)
+        row_blocks = cdiv(self.config.model.max_model_len + lookahead, self.config.cache.block_size)
         return self.config.scheduler.max_num_seqs * row_blocks
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 
 REPO_ROOT = Path(__file__).parents[2]
@@ -78,6 +79,20 @@ class RemoteServer:
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def client(self) -> openai.OpenAI:
+        """The official client on this server, without retries: a test sees every failure."""
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def greedy_texts(self, model: str, prompts: list[str], max_tokens: int) -> list[str]:
+        """Each prompt's greedy completion, one request at a time: what it gets on an idle server."""
+        client = self.client()
+        return [
+            client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+            .choices[0]
+            .text
+            for prompt in prompts
+        ]
 
     def core_pid(self) -> int:
         """The engine core process: the server's child started by multiprocessing's spawn."""

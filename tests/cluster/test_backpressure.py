@@ -41,10 +41,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     server.stop()
 
 
-def client(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def unfinished_requests(server: RemoteServer) -> float:
     return server.metric("raypage:num_requests_running") + server.metric("raypage:num_requests_waiting")
 
@@ -60,14 +56,7 @@ def wait_until_idle(server: RemoteServer, timeout_s: float = 10.0) -> None:
 def test_requests_past_the_bound_get_503_and_the_admitted_ones_finish(server: RemoteServer) -> None:
     admitted = MAX_NUM_SEQS + MAX_WAITING
     prompts = [f"Once upon a time {index}" for index in range(admitted)]
-    # Each prompt's greedy completion on the unloaded server, one request at a time.
-    alone = [
-        client(server)
-        .completions.create(model=MODEL, prompt=prompt, max_tokens=ADMITTED_MAX_TOKENS, temperature=0)
-        .choices[0]
-        .text
-        for prompt in prompts
-    ]
+    alone = server.greedy_texts(MODEL, prompts, ADMITTED_MAX_TOKENS)
 
     async def stream(api: openai.AsyncOpenAI, prompt: str) -> tuple[str, str | None]:
         chunks = await api.completions.create(
@@ -102,13 +91,13 @@ def test_requests_past_the_bound_get_503_and_the_admitted_ones_finish(server: Re
     assert asyncio.run(run()) == [(text, "length") for text in alone]
     wait_until_idle(server)
     # Nothing was left behind: the server admits again.
-    assert client(server).completions.create(model=MODEL, prompt=prompts[0], max_tokens=4).choices[0].text
+    assert server.client().completions.create(model=MODEL, prompt=prompts[0], max_tokens=4).choices[0].text
 
 
 def test_a_request_past_its_timeout_is_aborted_and_frees_its_blocks(server: RemoteServer) -> None:
     aborted_before = server.metric("raypage:request_success_total", 'finished_reason="abort"')
     with pytest.raises(openai.APIStatusError) as raised:
-        client(server).completions.create(
+        server.client().completions.create(
             model=MODEL, prompt="Once", max_tokens=LONG_MAX_TOKENS, extra_body={"timeout": SHORT_TIMEOUT_S}
         )
     assert raised.value.status_code == 504
@@ -125,7 +114,7 @@ def test_a_stream_past_its_timeout_ends_with_an_error_and_frees_its_blocks(serve
     # Usually mid-stream (an error event after some chunks: APIError); on a machine too slow to
     # produce the first token in time, before the stream starts (a 504 status: APIStatusError).
     with pytest.raises(openai.APIError, match="did not finish within its timeout"):
-        chunks = client(server).chat.completions.create(
+        chunks = server.client().chat.completions.create(
             model=MODEL,
             messages=messages,
             max_tokens=LONG_MAX_TOKENS,

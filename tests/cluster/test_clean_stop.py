@@ -1,8 +1,9 @@
 """Stopping `raypage api-server` and `raypage serve` leaves nothing of their process group behind.
 
 Each server runs in a process group of its own, as a shell job does, with streams in flight. SIGTERM
-(a supervisor's stop) drains them to their ends, each with the text it has alone; Ctrl-C twice (SIGINT to the whole group, as a
-terminal sends it) stops the server within FORCED_STOP_S of the second. Either way, by the time the
+(a supervisor's stop) drains them to their ends, each with the text it has alone; Ctrl-C twice
+(SIGINT to the whole group, as a terminal sends it) stops the server within FORCED_STOP_S of the
+second. Either way, by the time the
 server process has exited every other process of its group (engine core, workers, Ray's processes,
 HAProxy) has too, or does within GROUP_GONE_S: none is left as an orphan.
 """
@@ -84,14 +85,10 @@ def wait_for_log(server: RemoteServer, text: str) -> None:
         time.sleep(0.05)
 
 
-def client_of(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def start_stream(server: RemoteServer, prompt: str = PROMPTS[0]) -> tuple[str, Iterator[Completion]]:
     """A stream in flight: its first chunk has arrived. That chunk's text, and the rest to come."""
     stream = iter(
-        client_of(server).completions.create(
+        server.client().completions.create(
             model=MODEL, prompt=prompt, max_tokens=STREAM_MAX_TOKENS, temperature=0, stream=True
         )
     )
@@ -102,13 +99,7 @@ def stop_with_sigterm(server: RemoteServer) -> None:
     """SIGTERM to the server alone, with streams in flight: each runs to its end with the text it has
     alone, then the server exits 0."""
     pgid = os.getpgid(server.process.pid)
-    alone = [
-        client_of(server)
-        .completions.create(model=MODEL, prompt=prompt, max_tokens=STREAM_MAX_TOKENS, temperature=0)
-        .choices[0]
-        .text
-        for prompt in PROMPTS
-    ]
+    alone = server.greedy_texts(MODEL, PROMPTS, STREAM_MAX_TOKENS)
     streams = [start_stream(server, prompt) for prompt in PROMPTS]
     server.process.send_signal(signal.SIGTERM)
     drained = []
