@@ -36,7 +36,7 @@ from tests.cluster.serve_checks import (
     engine_flags,
     processes_titled,
 )
-from tests.structured.checks import assert_forced_tool_calls, assert_json_schema_reply
+from tests.structured.checks import assert_forced_tool_calls, assert_json_schema_reply, in_parallel
 from tests.structured.schemas import SCHEMAS
 
 # Two logical CPUs per extra replica: Serve may start a replacement before the old one is gone.
@@ -282,10 +282,15 @@ def test_completions_and_chat_match_the_offline_engine(
 
 @pytest.mark.slow
 def test_structured_outputs_and_tool_calls_through_serve(client: openai.OpenAI) -> None:
-    # The grammar's masks cross the Ray executor to both tensor-parallel workers.
-    assert_json_schema_reply(client, MODEL, SCHEMAS[2].schema, stream=False)
-    assert_json_schema_reply(client, MODEL, SCHEMAS[5].schema, stream=True)
-    assert_forced_tool_calls(client, MODEL, seeds=range(1))
+    # The grammar's masks cross the Ray executor to both tensor-parallel workers. The checks' requests
+    # go at once, so that the replica's engine batches them; each is checked as it would be alone.
+    in_parallel(
+        [
+            lambda: assert_json_schema_reply(client, MODEL, SCHEMAS[2].schema, stream=False),
+            lambda: assert_json_schema_reply(client, MODEL, SCHEMAS[5].schema, stream=True),
+            lambda: assert_forced_tool_calls(client, MODEL, seeds=range(1)),
+        ]
+    )
 
 
 @pytest.mark.slow

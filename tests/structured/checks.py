@@ -96,7 +96,9 @@ def streamed_calls(chunks: Any) -> tuple[list[dict[str, str]], str | None]:
 def assert_forced_tool_calls(client: openai.OpenAI, model: str, seeds: range = range(2)) -> None:
     """tool_choice "required" and a named function, whole and streamed: every reply is tool calls
     whose arguments follow their tool's schema, and finish_reason is "tool_calls". Without
-    parallel_tool_calls one call at most: a small model left free repeats calls until max_tokens."""
+    parallel_tool_calls one call at most: a small model left free repeats calls until max_tokens.
+    The requests go at once (the engine batches them); each is checked as it would be alone."""
+    cases = []
     for choice, allowed in (
         ("required", set(PARAMETERS)),
         ({"type": "function", "function": {"name": "add"}}, {"add"}),
@@ -112,13 +114,22 @@ def assert_forced_tool_calls(client: openai.OpenAI, model: str, seeds: range = r
                 "max_completion_tokens": 120,
                 "parallel_tool_calls": False,
             }
-            reply = client.chat.completions.create(**settings).choices[0]
-            assert reply.finish_reason == "tool_calls" and not reply.message.content, reply
-            check_tool_calls(reply_calls(reply.message), allowed)
-            calls, finish = streamed_calls(client.chat.completions.create(**settings, stream=True))
-            assert finish == "tool_calls"
-            check_tool_calls(calls, allowed)
-            assert len(calls) == 1
+            cases.append((settings, allowed))
+
+    def whole(settings: dict[str, Any]) -> Any:
+        return lambda: client.chat.completions.create(**settings).choices[0]
+
+    def streamed(settings: dict[str, Any]) -> Any:
+        return lambda: streamed_calls(client.chat.completions.create(**settings, stream=True))
+
+    replies = in_parallel([call(settings) for settings, _ in cases for call in (whole, streamed)])
+    for index, (_, allowed) in enumerate(cases):
+        reply, (calls, finish) = replies[2 * index], replies[2 * index + 1]
+        assert reply.finish_reason == "tool_calls" and not reply.message.content, reply
+        check_tool_calls(reply_calls(reply.message), allowed)
+        assert finish == "tool_calls"
+        check_tool_calls(calls, allowed)
+        assert len(calls) == 1
 
 
 def assert_json_schema_reply(client: openai.OpenAI, model: str, schema: dict[str, Any], stream: bool) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 
 from tests.cluster.remote_server import RemoteServer
 from tests.structured.checks import (
@@ -72,7 +73,8 @@ def test_every_schema_holds_on_chat_at_temperature_one(client: openai.OpenAI) ->
         )
 
     calls = [chat(case, seed) for case in SCHEMAS for seed in SEEDS]
-    for index, response in enumerate(in_parallel(calls)):
+    # 64 at once, the server's --max-num-seqs: two batches of the 96 rather than three of 32.
+    for index, response in enumerate(in_parallel(calls, workers=64)):
         choice = response.choices[0]
         check_json(choice.message.content, SCHEMAS[index // len(SEEDS)].schema, choice.finish_reason)
 
@@ -94,30 +96,39 @@ def test_every_schema_holds_on_completions(client: openai.OpenAI) -> None:
 
 def test_n3_and_streams_hold_to_the_schema(client: openai.OpenAI) -> None:
     schema = SCHEMAS[2].schema
-    response = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Weather in Paris as JSON."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
-        temperature=1.0,
-        seed=4,
-        n=3,
-        max_completion_tokens=100,
+
+    def n3() -> ChatCompletion:
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather in Paris as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+            temperature=1.0,
+            seed=4,
+            n=3,
+            max_completion_tokens=100,
+        )
+
+    def json_object_stream() -> tuple[str, str | None]:
+        text, finish = "", None
+        for chunk in client.completions.create(
+            model=MODEL,
+            prompt="JSON:",
+            extra_body={"response_format": {"type": "json_object"}},
+            max_tokens=60,
+            temperature=0.0,
+            stream=True,
+        ):
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    # The three requests at once (the engine batches them); each is checked as it would be alone.
+    response, _, (text, finish) = in_parallel(
+        [n3, lambda: assert_json_schema_reply(client, MODEL, schema, stream=True), json_object_stream]
     )
     assert [choice.index for choice in response.choices] == [0, 1, 2]
     for choice in response.choices:
         check_json(choice.message.content, schema, choice.finish_reason)
-    assert_json_schema_reply(client, MODEL, schema, stream=True)
-    text, finish = "", None
-    for chunk in client.completions.create(
-        model=MODEL,
-        prompt="JSON:",
-        extra_body={"response_format": {"type": "json_object"}},
-        max_tokens=60,
-        temperature=0.0,
-        stream=True,
-    ):
-        text += chunk.choices[0].text
-        finish = chunk.choices[0].finish_reason or finish
     if finish == "stop":
         assert isinstance(json.loads(text), dict)
     assert text.startswith("{")
@@ -151,8 +162,11 @@ def test_regex_choice_and_grammar_on_both_endpoints(client: openai.OpenAI) -> No
         ).choices[0]
 
     cases = [(pattern, constraint, seed) for pattern, constraint in constraints.items() for seed in SEEDS]
-    completions = in_parallel([completion(constraint, seed) for _, constraint, seed in cases])
-    chats = in_parallel([chat(constraint, seed) for _, constraint, seed in cases])
+    # Both endpoints' requests at once, in one batch of the engine's.
+    replies = in_parallel(
+        [call(constraint, seed) for _, constraint, seed in cases for call in (completion, chat)]
+    )
+    completions, chats = replies[0::2], replies[1::2]
     for (pattern, _, _), whole, reply in zip(cases, completions, chats, strict=True):
         assert re.fullmatch(pattern, whole.text) and whole.finish_reason == "stop", whole
         assert re.fullmatch(pattern, reply.message.content) and reply.finish_reason == "stop", reply
@@ -173,10 +187,6 @@ def test_auto_tool_choice_and_a_conversation_with_tool_results(client: openai.Op
             **settings,
         ).choices[0]
 
-    auto = reply(WEATHER_QUESTION, "auto", temperature=0.0)
-    assert auto.finish_reason in ("stop", "length", "tool_calls") and (
-        auto.message.content or auto.message.tool_calls
-    )
     # A call of the model's and the tool's answer go back through the chat template.
     call = {"name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'}
     conversation = [
@@ -188,9 +198,18 @@ def test_auto_tool_choice_and_a_conversation_with_tool_results(client: openai.Op
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees and sunny"},
     ]
-    text = reply(conversation, "none", temperature=0.0)
+    # The three replies are independent: asked at once, so that the engine batches them.
+    auto, text, forced = in_parallel(
+        [
+            lambda: reply(WEATHER_QUESTION, "auto", temperature=0.0),
+            lambda: reply(conversation, "none", temperature=0.0),
+            lambda: reply(conversation, "required", temperature=1.0, seed=1, parallel_tool_calls=False),
+        ]
+    )
+    assert auto.finish_reason in ("stop", "length", "tool_calls") and (
+        auto.message.content or auto.message.tool_calls
+    )
     assert text.message.content and not text.message.tool_calls
-    forced = reply(conversation, "required", temperature=1.0, seed=1, parallel_tool_calls=False)
     assert forced.finish_reason == "tool_calls" and reply_calls(forced.message)
 
 
