@@ -9,15 +9,16 @@ the weight bytes each step reads, about as much time. Here they stay quantized:
   the layout); it takes as many bytes as the file (Q4_K and Q5_K 2.8% and 2.3% more: their 6-bit
   sub-scales and mins a byte each).
 - `quantized_linear` multiplies by it. On the int8 path (`gemv_serves`: decoding, and prefill
-  chunks too but where the kernel runs on AMX tiles) the activations are quantized to int8 per
-  block of 32 with a float32 scale, as llama.cpp does, and every output is a sum of exact integer
-  dot products times the two scales: the weight is streamed from memory once for all the rows (a
-  span of rows at a time). Otherwise (`panel_matmul`) panels of the weight are dequantized, to
+  chunks too but where the kernel runs on AMX tiles) the activations are quantized to int8 in
+  blocks of 32, as llama.cpp does, with a float32 scale per block (per 256 values for the K-quants,
+  llama.cpp's Q8_K, so that the sub-blocks' integer dots add up before any float), and every output
+  is a sum of exact integer dot products times the two scales: the weight is streamed from memory
+  once for all the rows (a span of rows at a time). Otherwise (`panel_matmul`) panels of the weight are dequantized, to
   bf16 for bf16 activations and to float32 otherwise, and multiplied with torch's matmul: the
   dequantized weight's product up to summation order (and bf16's rounding of the weight).
 
 The int8 path's only error beyond float32 rounding is the activations' int8 rounding: at most
-half a step of max|x| / 127 per value of each block of 32.
+half a step of max|x| / 127 per value, the maximum taken over its block of 32 (256 for K-quants).
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ K-quants, which gguf does not quantize, random blocks.
 
 Tolerances, derived rather than tuned:
 
-- The int8 path (decoding; prefill chunks too where the kernel has no AMX tiles) rounds each activation to a multiple of its block's
-  max|x| / 127, an error of at most max|x| / 254 per value; so output n of row m is off by at most
-  sum over blocks b of (max|x_b| / 254) * sum over i in b of |W[n, i]|. That bound holds for every
-  format (the weight's own quantization is in the reference already), and is checked with a margin
-  for float32 rounding.
+- The int8 path (decoding; prefill chunks too where the kernel has no AMX tiles) rounds each
+  activation to a multiple of max|x| / 127 over its block of 32, or of 256 for the K-quants (as
+  llama.cpp's Q8_K), an error of at most max|x| / 254 per value; so output n of row m is off by at
+  most sum over blocks b of (max|x_b| / 254) * sum over i in b of |W[n, i]|. That bound holds for
+  every format (the weight's own quantization is in the reference already), and is checked with a
+  margin for float32 rounding.
 - Float32 rounding: the kernels sum exact products (integer dots, or the float32 matmul of the
   dequantized weight) in another order than the reference, which stays within a few ulps of
   sum |W| |x| per output: 1e-5 of that sum. Activations that are exactly int8 blocks (values
@@ -94,10 +95,11 @@ def packed(ggml_type: T, shape: tuple[int, int]) -> QuantizedWeight:
     return pack_gguf_weight(torch.from_numpy(raw), int(ggml_type), shape)
 
 
-def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def activation_bound(x: torch.Tensor, weight: torch.Tensor, ggml_type: T) -> torch.Tensor:
     """The largest error int8 per-block activations can add to x @ weight.T (see the module docstring)."""
-    step = x.double().unflatten(-1, (-1, 32)).abs().amax(-1) / 254
-    return step @ weight.abs().unflatten(-1, (-1, 32)).sum(-1).T
+    block = 256 if ggml_type in K_QUANT_BYTES else 32
+    step = x.double().unflatten(-1, (-1, block)).abs().amax(-1) / 254
+    return step @ weight.abs().unflatten(-1, (-1, block)).sum(-1).T
 
 
 def float32_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -145,7 +147,7 @@ def test_random_activations_within_their_quantization_bound(
     error = (quantized_linear(x, packed(ggml_type, shape)).double() - x.double() @ weight.T).abs()
     allowed = float32_bound(x, weight)
     if gemv_serves(rows, x.dtype):
-        allowed += activation_bound(x, weight)
+        allowed += activation_bound(x, weight, ggml_type)
     assert (error <= allowed).all(), f"{(error - allowed).max().item()} over the bound"
 
 
@@ -196,7 +198,7 @@ def test_bf16_activations(ggml_type: T, rows: int) -> None:
     reference = x.double() @ weight.T
     allowed = float32_bound(x, weight) + 2**-9 * reference.abs()
     if gemv_serves(rows, x.dtype):
-        allowed += activation_bound(x, weight)
+        allowed += activation_bound(x, weight, ggml_type)
     else:
         allowed += 2**-9 * (x.double().abs() @ weight.abs().T)
     assert ((out.double() - reference).abs() <= allowed).all()
