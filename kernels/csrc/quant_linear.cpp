@@ -357,14 +357,21 @@ inline __m512i quants_of(const __m512i* words, int64_t j, int e, int nibble) {
   return kQuantOffset<F> ? _mm512_sub_epi32(q, _mm512_set1_epi32(kQuantOffset<F>)) : q;
 }
 
+// The 8-bit scales `index` (0 or 1) of a block's `ints`, all 16 rows as int32 lanes: Q6_K's signed
+// sub-scales, or the other K-quants' unsigned sc (0) and m (1).
+template <int64_t F>
+inline __m512i int_lanes(const uint8_t* ints, int index) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + index * kGroupRows));
+  return F == kQ6_K ? _mm512_cvtepi8_epi32(bits) : _mm512_cvtepu8_epi32(bits);
+}
+
 // slot_value for all 16 rows.
 template <int64_t F>
 inline __m512 slot_lanes(const uint16_t* halves, const uint8_t* ints, int slot) {
   const Slot s = slot_of<F>(slot);
   if (!s.integer)
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + s.index * kGroupRows)));
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + s.index * kGroupRows));
-  return _mm512_cvtepi32_ps(F == kQ6_K ? _mm512_cvtepi8_epi32(bits) : _mm512_cvtepu8_epi32(bits));
+  return _mm512_cvtepi32_ps(int_lanes<F>(ints, s.index));
 }
 
 // One (group, block) into rows [0, 32) of `out` (row stride `stride`), its `count` leading columns:
@@ -719,32 +726,25 @@ void gemv_super_blocks(const uint8_t* quants, const uint16_t* scales, const Quan
   constexpr int64_t kSubBlocks = kBlocksPerScale<F>;
   __m512 acc[MC];
   for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
+  // The 8-bit scales after block b's quant words (see int_lanes).
+  const auto ints_of = [quants](int64_t b) { return quants + b * kGroupBlockBytes<F> + kWords<F> * kWordRowBytes; };
   for (int64_t first = 0; first < a.blocks; first += kSubBlocks) {
     __m512i dots[MC], mins[MC];
     for (int i = 0; i < MC; ++i) dots[i] = mins[i] = _mm512_setzero_si512();
     for (int64_t b = first; b < first + kSubBlocks; ++b) {
       __m512i w[8];
-      const uint8_t* block = quants + b * kGroupBlockBytes<F>;
-      load_weights<F>(block, w);
-      // The block's two 16-byte rows of 8-bit scales: Q6_K's signed sub-scales of its halves, or sc and m.
-      const uint8_t* ints = block + kWords<F> * kWordRowBytes;
-      const __m128i first_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints));
-      const __m128i second_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + kGroupRows));
-      const __m512i first_ints =
-          F == kQ6_K ? _mm512_cvtepi8_epi32(first_bytes) : _mm512_cvtepu8_epi32(first_bytes);
-      const __m512i second_ints =
-          F == kQ6_K ? _mm512_cvtepi8_epi32(second_bytes) : _mm512_cvtepu8_epi32(second_bytes);
+      load_weights<F>(quants + b * kGroupBlockBytes<F>, w);
+      const __m512i sub_scales = int_lanes<F>(ints_of(b), 0);  // sc, or Q6_K's first half's
       for (int i = 0; i < MC; ++i) {
         const int8_t* x = a.block_quants(m0 + i, b);
-        const int32_t sum = a.sum(m0 + i, b);
         if constexpr (F == kQ6_K) {
-          const int32_t low_sum = a.low_sum(m0 + i, b);
+          const int32_t sum = a.sum(m0 + i, b), low_sum = a.low_sum(m0 + i, b);
           const __m512i low = half_dot(w, x, kIntegerOffset<F> * low_sum);
           const __m512i high = half_dot(w + 4, x + 16, kIntegerOffset<F> * (sum - low_sum));
-          dots[i] = _mm512_add_epi32(dots[i], _mm512_add_epi32(_mm512_mullo_epi32(low, first_ints),
-                                                               _mm512_mullo_epi32(high, second_ints)));
+          dots[i] = _mm512_add_epi32(dots[i], _mm512_add_epi32(_mm512_mullo_epi32(low, sub_scales),
+                                                               _mm512_mullo_epi32(high, int_lanes<F>(ints_of(b), 1))));
         } else {
-          dots[i] = _mm512_add_epi32(dots[i], _mm512_mullo_epi32(block_dot(w, x), first_ints));
+          dots[i] = _mm512_add_epi32(dots[i], _mm512_mullo_epi32(block_dot(w, x), sub_scales));
         }
       }
     }
@@ -752,13 +752,9 @@ void gemv_super_blocks(const uint8_t* quants, const uint16_t* scales, const Quan
       // Sum over sub-blocks j of m_j times the activations' sum of sub-block j, two sub-blocks a
       // `vpdpwssd` (16-bit pairs: m <= 63, |sum| <= 32 x 127).
       __m512i m_pairs[kSubBlocks / 2];
-      for (int64_t k = 0; k < kSubBlocks / 2; ++k) {
-        const uint8_t* m = quants + (first + 2 * k) * kGroupBlockBytes<F> + kWords<F> * kWordRowBytes + kGroupRows;
-        const __m512i even = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)));
-        const __m512i odd = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + kGroupBlockBytes<F>)));
-        m_pairs[k] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
-      }
+      for (int64_t k = 0; k < kSubBlocks / 2; ++k)
+        m_pairs[k] = _mm512_or_si512(int_lanes<F>(ints_of(first + 2 * k), 1),
+                                     _mm512_slli_epi32(int_lanes<F>(ints_of(first + 2 * k + 1), 1), 16));
       for (int i = 0; i < MC; ++i)
         for (int64_t k = 0; k < kSubBlocks / 2; ++k) {
           const int64_t b = first + 2 * k;
@@ -769,13 +765,12 @@ void gemv_super_blocks(const uint8_t* quants, const uint16_t* scales, const Quan
     }
     const uint16_t* halves = scales + first / kSubBlocks * kHalfScales<F> * kGroupRows;
     const __m512 d = slot_lanes<F>(halves, nullptr, 0);
+    const __m512 dmin = kScaledMin<F> ? slot_lanes<F>(halves, nullptr, 2) : d;
     for (int i = 0; i < MC; ++i) {
       const __m512 dx = _mm512_set1_ps(a.scale(m0 + i, first));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i]), _mm512_mul_ps(d, dx), acc[i]);
-      if constexpr (kScaledMin<F>) {
-        const __m512 dmin = slot_lanes<F>(halves, nullptr, 2);
+      if constexpr (kScaledMin<F>)
         acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[i]), _mm512_mul_ps(dmin, dx), acc[i]);
-      }
     }
   }
   for (int i = 0; i < MC; ++i) _mm512_storeu_ps(sums[i], acc[i]);
