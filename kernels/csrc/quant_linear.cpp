@@ -652,6 +652,12 @@ QuantizedActivations quantize_activations(const T* x, int64_t rows, int64_t in_f
 // on AVX2 and in plain loops, Q6_K's halves, times their integer sub-scales in float32, stay exact
 // (|half dot| <= 16 * 32 * 127, times |sub-scale| <= 128, both sums < 2^24).
 
+// Two int16 values as one int32 (first in the low half): an operand of `vpmaddwd` / `vpdpwssd`.
+inline int32_t int16_pair(int32_t first, int32_t second) {
+  return static_cast<int32_t>(static_cast<uint16_t>(first) |
+                              static_cast<uint32_t>(static_cast<uint16_t>(second)) << 16);
+}
+
 #if defined(__AVX512VNNI__)
 
 // `vpdpbusd` multiplies unsigned weight bytes by signed activation bytes, 4 a lane. Q4, Q5_K and
@@ -758,9 +764,8 @@ void gemv_super_blocks(const uint8_t* quants, const uint16_t* scales, const Quan
       for (int i = 0; i < MC; ++i)
         for (int64_t k = 0; k < kSubBlocks / 2; ++k) {
           const int64_t b = first + 2 * k;
-          const uint32_t pair = static_cast<uint16_t>(a.sum(m0 + i, b)) |
-                                static_cast<uint32_t>(static_cast<uint16_t>(a.sum(m0 + i, b + 1))) << 16;
-          mins[i] = _mm512_dpwssd_epi32(mins[i], m_pairs[k], _mm512_set1_epi32(static_cast<int32_t>(pair)));
+          const __m512i pair = _mm512_set1_epi32(int16_pair(a.sum(m0 + i, b), a.sum(m0 + i, b + 1)));
+          mins[i] = _mm512_dpwssd_epi32(mins[i], m_pairs[k], pair);
         }
     }
     const uint16_t* halves = scales + first / kSubBlocks * kHalfScales<F> * kGroupRows;
@@ -921,21 +926,52 @@ inline void load_weights(const uint8_t* block, int half, __m256i (&w)[8]) {
   }
 }
 
+// What the sum of the activation quants is multiplied by and subtracted from the integer dot.
 template <int64_t F>
 constexpr int32_t kIntegerOffset = kQuantOffset<F>;
 
+// Weight vectors whose int16 pairs add up without saturating before `vpmaddwd` widens them: a pair
+// is at most 2 * max|q_w| * 127 (Q4's 3,810, so 8 vectors make 30,480; Q5_K's 7,874 four; Q6_K's
+// 16,002 two; Q8_0's 32,512 one). llama.cpp's AVX2 dot products add their pairs the same way.
 template <int64_t F>
-inline __m256 half_dot(const __m256i* w, const int8_t* x, int32_t offset) {
+constexpr int kPairRun = F == kQ8_0 ? 1 : F == kQ6_K ? 2 : F == kQ5_K ? 4 : 8;
+
+// Lane r: row r's weight vector w times the activation's 4 quants at x, as int16 pairs.
+template <int64_t F>
+inline __m256i word_pairs(const __m256i& w, const int8_t* x) {
+  int32_t word;
+  std::memcpy(&word, x, kWordBytes);
+  const __m256i xs = _mm256_set1_epi32(word);
+  return F == kQ8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xs, w))
+                    : _mm256_maddubs_epi16(w, xs);
+}
+
+// Lane r: row r's 32 quants (load_weights' vectors; vector u meets the activation quants 4u..4u+3)
+// times the activation's 32, an integer dot whose pairs of quants 0..15 are multiplied by `low`'s
+// int16 lanes and of 16..31 by `high`'s: ones, or a K-quant's sub-scales (`vpmaddwd` widens and
+// scales at once).
+template <int64_t F>
+inline __m256i block_dot(const __m256i* w, const int8_t* x, const __m256i& low, const __m256i& high) {
   __m256i dot = _mm256_setzero_si256();
-  for (int j = 0; j < 4; ++j) {
-    int32_t word;
-    std::memcpy(&word, x + j * kWordBytes, kWordBytes);
-    const __m256i xs = _mm256_set1_epi32(word);
-    const __m256i pairs = F == kQ8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(xs, w[j]))
-                                     : _mm256_maddubs_epi16(w[j], xs);
-    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  for (int u = 0; u < 8; u += kPairRun<F>) {
+    __m256i pairs = word_pairs<F>(w[u], x + kWordBytes * u);
+    for (int k = 1; k < kPairRun<F>; ++k)
+      pairs = _mm256_add_epi16(pairs, word_pairs<F>(w[u + k], x + kWordBytes * (u + k)));
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, u < 4 ? low : high));
   }
-  return _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, _mm256_set1_epi32(offset)));
+  return dot;
+}
+
+// Lanes of int32 whose int16 halves are `first`'s and `second`'s low 16 bits.
+inline __m256i int16_pairs(const __m256i& first, const __m256i& second) {
+  return _mm256_blend_epi16(first, _mm256_slli_epi32(second, 16), 0xAA);
+}
+
+// The 8-bit scales `index` (0 or 1) of a half's `ints`, 8 rows as int32 lanes (as the AVX-512 int_lanes).
+template <int64_t F>
+inline __m256i int_lanes(const uint8_t* ints, int index) {
+  const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ints + index * kGroupRows));
+  return F == kQ6_K ? _mm256_cvtepi8_epi32(bits) : _mm256_cvtepu8_epi32(bits);
 }
 
 // slot_value for 8 rows.
@@ -944,43 +980,127 @@ inline __m256 slot_lanes(const uint16_t* halves, const uint8_t* ints, int slot) 
   const Slot s = slot_of<F>(slot);
   if (!s.integer)
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + s.index * kGroupRows)));
-  const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ints + s.index * kGroupRows));
-  return _mm256_cvtepi32_ps(F == kQ6_K ? _mm256_cvtepi8_epi32(bits) : _mm256_cvtepu8_epi32(bits));
+  return _mm256_cvtepi32_ps(int_lanes<F>(ints, s.index));
 }
 
+// The K-quants as on AVX-512 VNNI (gemv_super_blocks there): a super-block's integer dots times
+// their sub-scales add up in int32 lanes, the sub-scales applied by `vpmaddwd`; Q4_K's and Q5_K's
+// mins times the sub-blocks' activation sums, and Q6_K's offset of 32 times its halves' sums and
+// sub-scales, too; floats once a super-block. Against a `vpmaddwd` by ones a weight vector and a float
+// multiply-add a row and block of 32: 64-row products of the 1B shapes Q4_K 1.25-1.6x as fast, Q6_K
+// 1.2-1.7x (Zen 3, two threads, benchmarks.bench_quant_linear). Rows [first_half * 8, (first_half +
+// H) * 8) of the group (gemv_group).
+template <int64_t F, int MC, int H>
+void gemv_super_blocks(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
+                       int first_half, float (*sums)[kGroupRows]) {
+  constexpr int64_t kSubBlocks = kBlocksPerScale<F>;
+  // The 8-bit scales after block b's quant words, a half's rows.
+  const auto ints_of = [quants](int64_t b, int half) {
+    return quants + b * kGroupBlockBytes<F> + kWords<F> * kWordRowBytes + half * 8;
+  };
+  __m256 acc[H][MC];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MC; ++i) acc[h][i] = _mm256_setzero_ps();
+  for (int64_t first = 0; first < a.blocks; first += kSubBlocks) {
+    __m256i dots[H][MC], offsets[H][MC];
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < MC; ++i) dots[h][i] = offsets[h][i] = _mm256_setzero_si256();
+    for (int64_t b = first; b < first + kSubBlocks; ++b) {
+      for (int h = 0; h < H; ++h) {
+        __m256i w[8];
+        load_weights<F>(quants + b * kGroupBlockBytes<F>, first_half + h, w);
+        const __m256i low = int_lanes<F>(ints_of(b, first_half + h), 0);  // sc, or Q6_K's first half's
+        const __m256i high = F == kQ6_K ? int_lanes<F>(ints_of(b, first_half + h), 1) : low;
+        const __m256i low_pairs = int16_pairs(low, low), high_pairs = int16_pairs(high, high);
+        for (int i = 0; i < MC; ++i) {
+          dots[h][i] =
+              _mm256_add_epi32(dots[h][i], block_dot<F>(w, a.block_quants(m0 + i, b), low_pairs, high_pairs));
+          if constexpr (F == kQ6_K) {  // sub-scale times half sum, both halves (|sum| <= 16 x 127)
+            const int32_t low_sum = a.low_sum(m0 + i, b), high_sum = a.sum(m0 + i, b) - low_sum;
+            offsets[h][i] = _mm256_add_epi32(
+                offsets[h][i],
+                _mm256_madd_epi16(int16_pairs(low, high), _mm256_set1_epi32(int16_pair(low_sum, high_sum))));
+          }
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      if constexpr (kScaledMin<F>) {  // m_j times sub-block j's sum, two sub-blocks a `vpmaddwd`
+        __m256i m_pairs[kSubBlocks / 2];
+        for (int64_t k = 0; k < kSubBlocks / 2; ++k)
+          m_pairs[k] = int16_pairs(int_lanes<F>(ints_of(first + 2 * k, first_half + h), 1),
+                                   int_lanes<F>(ints_of(first + 2 * k + 1, first_half + h), 1));
+        for (int i = 0; i < MC; ++i)
+          for (int64_t k = 0; k < kSubBlocks / 2; ++k) {
+            const int64_t b = first + 2 * k;
+            const __m256i pair = _mm256_set1_epi32(int16_pair(a.sum(m0 + i, b), a.sum(m0 + i, b + 1)));
+            offsets[h][i] = _mm256_add_epi32(offsets[h][i], _mm256_madd_epi16(m_pairs[k], pair));
+          }
+      }
+      const uint16_t* halves = scales + first / kSubBlocks * kHalfScales<F> * kGroupRows + (first_half + h) * 8;
+      const __m256 d = slot_lanes<F>(halves, nullptr, 0);
+      for (int i = 0; i < MC; ++i) {
+        const __m256 dx = _mm256_set1_ps(a.scale(m0 + i, first));
+        if constexpr (kScaledMin<F>) {
+          const __m256 dmin = slot_lanes<F>(halves, nullptr, 2);
+          acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[h][i]), _mm256_mul_ps(d, dx), acc[h][i]);
+          acc[h][i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offsets[h][i]), _mm256_mul_ps(dmin, dx), acc[h][i]);
+        } else {  // Q6_K: less 32 times the sub-scaled sums
+          const __m256i dot = _mm256_sub_epi32(dots[h][i], _mm256_slli_epi32(offsets[h][i], 5));
+          acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dx), acc[h][i]);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MC; ++i) _mm256_storeu_ps(sums[i] + (first_half + h) * 8, acc[h][i]);
+}
+
+// Blocks of 32 with their own scales (Q4_0, Q4_1, Q8_0) add d_w * d_x times each block's integer dot,
+// and Q4_1 its m times d_x times the block's activation sum; the same rows as gemv_super_blocks.
+template <int64_t F, int MC, int H>
+void gemv_blocks(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
+                 int first_half, float (*sums)[kGroupRows]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[H][MC];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MC; ++i) acc[h][i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    for (int h = 0; h < H; ++h) {
+      __m256i w[8];
+      load_weights<F>(quants + b * kGroupBlockBytes<F>, first_half + h, w);
+      const uint16_t* halves = scales + b * kHalfScales<F> * kGroupRows + (first_half + h) * 8;
+      const __m256 d = slot_lanes<F>(halves, nullptr, 0);
+      for (int i = 0; i < MC; ++i) {
+        const __m256i offset = _mm256_set1_epi32(kIntegerOffset<F> * a.sum(m0 + i, b));
+        const __m256i dot = _mm256_sub_epi32(block_dot<F>(w, a.block_quants(m0 + i, b), ones, ones), offset);
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(a.scale(m0 + i, b)));
+        acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[h][i]);
+        if constexpr (kHasMin<F>) {
+          const __m256 min = slot_lanes<F>(halves, nullptr, 1);
+          acc[h][i] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.scaled_sum(m0 + i, b)), acc[h][i]);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < MC; ++i) _mm256_storeu_ps(sums[i] + (first_half + h) * 8, acc[h][i]);
+}
+
+// The group's two halves of 8 rows in one pass over its blocks for a single activation row: each
+// 64-byte line of weights is used whole as memory streams it in (one half a pass read the lines
+// from memory in the first pass at half the arithmetic, 1-row products 10-15% slower, Zen 3); with
+// more rows a half at a time, whose accumulators, weights and sums fit the 16 registers (both halves
+// of 4 rows spilled them: 64-row products a third slower).
 template <int64_t F, int MC>
 void gemv_group(const uint8_t* quants, const uint16_t* scales, const QuantizedActivations& a, int64_t m0,
                 float (*sums)[kGroupRows]) {
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[MC];
-    for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      __m256i w[8];
-      const uint8_t* block = quants + b * kGroupBlockBytes<F>;
-      load_weights<F>(block, half, w);
-      const uint16_t* halves = scales + b / kBlocksPerScale<F> * kHalfScales<F> * kGroupRows + half * 8;
-      const uint8_t* ints = block + kWords<F> * kWordRowBytes + half * 8;
-      const __m256 d = slot_lanes<F>(halves, ints, 0);
-      const __m256 second = F != kQ4_0 && F != kQ8_0 ? slot_lanes<F>(halves, ints, 1) : d;  // m, a sub-scale, or sc
-      const __m256 third = F == kQ6_K || kScaledMin<F> ? slot_lanes<F>(halves, ints, 2) : d;  // a sub-scale, or dmin
-      const __m256 scale = kScaledMin<F> ? _mm256_mul_ps(d, second) : d;
-      const __m256 min =
-          kScaledMin<F> ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(third, slot_lanes<F>(halves, ints, 3)))
-                        : second;
-      for (int i = 0; i < MC; ++i) {
-        const int8_t* x = a.block_quants(m0 + i, b);
-        const int32_t sum = a.sum(m0 + i, b), low_sum = a.low_sum(m0 + i, b);
-        const __m256 low = half_dot<F>(w, x, kIntegerOffset<F> * low_sum);
-        const __m256 high = half_dot<F>(w + 4, x + 16, kIntegerOffset<F> * (sum - low_sum));
-        const __m256 dot = F == kQ6_K ? _mm256_add_ps(_mm256_mul_ps(low, second), _mm256_mul_ps(high, third))
-                                      : _mm256_add_ps(low, high);
-        const float dx = a.scale(m0 + i, b);
-        acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc[i]);
-        if constexpr (kHasMin<F>)
-          acc[i] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.scaled_sum(m0 + i, b)), acc[i]);
-      }
-    }
-    for (int i = 0; i < MC; ++i) _mm256_storeu_ps(sums[i] + half * 8, acc[i]);
+  constexpr int H = MC == 1 ? 2 : 1;
+  for (int half = 0; half < 2; half += H) {
+    if constexpr (kBlocksPerScale<F> > 1)
+      gemv_super_blocks<F, MC, H>(quants, scales, a, m0, half, sums);
+    else
+      gemv_blocks<F, MC, H>(quants, scales, a, m0, half, sums);
   }
 }
 
