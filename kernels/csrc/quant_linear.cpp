@@ -1007,10 +1007,11 @@ void gemv_super_blocks(const uint8_t* quants, const uint16_t* scales, const Quan
       for (int i = 0; i < MC; ++i) dots[h][i] = offsets[h][i] = _mm256_setzero_si256();
     for (int64_t b = first; b < first + kSubBlocks; ++b) {
       for (int h = 0; h < H; ++h) {
+        const int half = first_half + h;
         __m256i w[8];
-        load_weights<F>(quants + b * kGroupBlockBytes<F>, first_half + h, w);
-        const __m256i low = int_lanes<F>(ints_of(b, first_half + h), 0);  // sc, or Q6_K's first half's
-        const __m256i high = F == kQ6_K ? int_lanes<F>(ints_of(b, first_half + h), 1) : low;
+        load_weights<F>(quants + b * kGroupBlockBytes<F>, half, w);
+        const __m256i low = int_lanes<F>(ints_of(b, half), 0);  // sc, or Q6_K's first half's
+        const __m256i high = F == kQ6_K ? int_lanes<F>(ints_of(b, half), 1) : low;
         const __m256i low_pairs = int16_pairs(low, low), high_pairs = int16_pairs(high, high);
         for (int i = 0; i < MC; ++i) {
           dots[h][i] =
@@ -1025,11 +1026,12 @@ void gemv_super_blocks(const uint8_t* quants, const uint16_t* scales, const Quan
       }
     }
     for (int h = 0; h < H; ++h) {
+      const int half = first_half + h;
       if constexpr (kScaledMin<F>) {  // m_j times sub-block j's sum, two sub-blocks a `vpmaddwd`
         __m256i m_pairs[kSubBlocks / 2];
         for (int64_t k = 0; k < kSubBlocks / 2; ++k)
-          m_pairs[k] = int16_pairs(int_lanes<F>(ints_of(first + 2 * k, first_half + h), 1),
-                                   int_lanes<F>(ints_of(first + 2 * k + 1, first_half + h), 1));
+          m_pairs[k] = int16_pairs(int_lanes<F>(ints_of(first + 2 * k, half), 1),
+                                   int_lanes<F>(ints_of(first + 2 * k + 1, half), 1));
         for (int i = 0; i < MC; ++i)
           for (int64_t k = 0; k < kSubBlocks / 2; ++k) {
             const int64_t b = first + 2 * k;
@@ -1037,12 +1039,12 @@ void gemv_super_blocks(const uint8_t* quants, const uint16_t* scales, const Quan
             offsets[h][i] = _mm256_add_epi32(offsets[h][i], _mm256_madd_epi16(m_pairs[k], pair));
           }
       }
-      const uint16_t* halves = scales + first / kSubBlocks * kHalfScales<F> * kGroupRows + (first_half + h) * 8;
+      const uint16_t* halves = scales + first / kSubBlocks * kHalfScales<F> * kGroupRows + half * 8;
       const __m256 d = slot_lanes<F>(halves, nullptr, 0);
+      const __m256 dmin = kScaledMin<F> ? slot_lanes<F>(halves, nullptr, 2) : d;
       for (int i = 0; i < MC; ++i) {
         const __m256 dx = _mm256_set1_ps(a.scale(m0 + i, first));
         if constexpr (kScaledMin<F>) {
-          const __m256 dmin = slot_lanes<F>(halves, nullptr, 2);
           acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[h][i]), _mm256_mul_ps(d, dx), acc[h][i]);
           acc[h][i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(offsets[h][i]), _mm256_mul_ps(dmin, dx), acc[h][i]);
         } else {  // Q6_K: less 32 times the sub-scaled sums
@@ -1067,19 +1069,19 @@ void gemv_blocks(const uint8_t* quants, const uint16_t* scales, const QuantizedA
     for (int i = 0; i < MC; ++i) acc[h][i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     for (int h = 0; h < H; ++h) {
+      const int half = first_half + h;
       __m256i w[8];
-      load_weights<F>(quants + b * kGroupBlockBytes<F>, first_half + h, w);
-      const uint16_t* halves = scales + b * kHalfScales<F> * kGroupRows + (first_half + h) * 8;
+      load_weights<F>(quants + b * kGroupBlockBytes<F>, half, w);
+      const uint16_t* halves = scales + b * kHalfScales<F> * kGroupRows + half * 8;
       const __m256 d = slot_lanes<F>(halves, nullptr, 0);
+      const __m256 min = kHasMin<F> ? slot_lanes<F>(halves, nullptr, 1) : d;  // Q4_1's m
       for (int i = 0; i < MC; ++i) {
         const __m256i offset = _mm256_set1_epi32(kIntegerOffset<F> * a.sum(m0 + i, b));
         const __m256i dot = _mm256_sub_epi32(block_dot<F>(w, a.block_quants(m0 + i, b), ones, ones), offset);
         const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(a.scale(m0 + i, b)));
         acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[h][i]);
-        if constexpr (kHasMin<F>) {
-          const __m256 min = slot_lanes<F>(halves, nullptr, 1);
+        if constexpr (kHasMin<F>)
           acc[h][i] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.scaled_sum(m0 + i, b)), acc[h][i]);
-        }
       }
     }
   }
