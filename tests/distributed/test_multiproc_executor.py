@@ -129,14 +129,18 @@ def test_async_scheduling_on_tensor_parallel_workers_keeps_greedy_outputs(
     """Every step after the first is planned while the previous one runs: its decodes compute the
     tokens that both ranks sampled, which the scheduler learns only afterwards. Unseeded sampling
     too: both ranks draw from generators seeded alike, and the batches are those of a synchronous
-    engine (no EOS, no stop one step late), so the draws are the in-process engine's."""
+    engine (no EOS, no stop one step late), so the draws are a synchronous tensor-parallel
+    engine's. (Not the in-process worker's: the ranks' partial sums round otherwise than one sum,
+    and at temperature 1 the tiny model's flat distribution lets that flip a draw.)"""
     unseeded = SamplingParams(temperature=1.0, max_tokens=12)
-    uni = LLM(str(tiny_model), **SETTINGS, distributed_executor_backend="uni")
+    synchronous = LLM(str(tiny_model), **SETTINGS, multiprocess_mode=False, tensor_parallel_size=2)
     try:
-        uni.generate(PROMPTS, GREEDY, use_tqdm=False)  # the same draws before as below
-        expected = [out.outputs[0].token_ids for out in uni.generate(PROMPTS, unseeded, use_tqdm=False)]
+        synchronous.generate(PROMPTS, GREEDY, use_tqdm=False)  # the same draws before as below
+        expected = [
+            out.outputs[0].token_ids for out in synchronous.generate(PROMPTS, unseeded, use_tqdm=False)
+        ]
     finally:
-        uni.llm_engine.shutdown()
+        synchronous.llm_engine.shutdown()
     llm = LLM(
         str(tiny_model),
         **SETTINGS,

@@ -45,6 +45,12 @@ def int8_cache(cache: torch.Tensor) -> torch.Tensor:
     return torch.cat([values, scale[..., None].view(torch.int8)], dim=-1).contiguous()
 
 
+def quantized(rows: torch.Tensor) -> torch.Tensor:
+    """Rows [..., head_dim] after a round trip through int8: each quantized value times its scale."""
+    values, scale = quantize(rows)
+    return values.float() * scale[..., None]
+
+
 def dequantize(cache: torch.Tensor) -> torch.Tensor:
     """An int8 cache's rows as float32 [2, kv_heads, blocks, block_size, head_dim]: values times scale."""
     values, scale = cache[..., :-4], cache[..., -4:].contiguous().view(torch.float32)
@@ -209,8 +215,10 @@ def test_a_whole_step_stores_the_new_rows_and_attends_on_the_int8_path(group, wi
 @pytest.mark.parametrize("window", [None, 37])
 def test_int8_kv_against_bf16_kv(window):
     """The same step over a bf16 cache and over its int8 quantization, each against float32 attention
-    over the bf16 cache: the int8 cache's error is the bf16 one's and the rows' quantization, a few
-    times the former in all (2.4x here) and at most about one quantization step for any output."""
+    over the bf16 cache: the int8 cache's error is at most the sum of the bf16 kernel's own rounding
+    and the quantization's, the latter measured by float32 attention over the dequantized rows (the
+    bf16 kernel's rounding depends on the CPU: bf16 dot products with AVX-512 BF16, float32 without),
+    and at most about one quantization step for any output."""
     pb, params = step_batch(torch.bfloat16, 3, window)
     bf16_cache, cache = pb.kv_cache.clone(), int8_cache(pb.kv_cache.float())
     with_bf16 = cpu_paged_attention(pb.query, pb.key, pb.value, bf16_cache, pb.meta, params).float()
@@ -218,11 +226,16 @@ def test_int8_kv_against_bf16_kv(window):
     exact = reference_attention(
         pb.query.float(), pb.key.float(), pb.value.float(), bf16_cache.float(), pb.meta, params
     )
+    over_quantized = reference_attention(
+        pb.query.float(), quantized(pb.key), quantized(pb.value), dequantize(int8_cache(pb.kv_cache.float())),
+        pb.meta, params,
+    )  # fmt: skip
 
     def rms(error: torch.Tensor) -> float:
         return error.pow(2).mean().sqrt().item()
 
-    assert rms(with_int8 - exact) < 4 * rms(with_bf16 - exact)
+    quantization, rounding = rms(over_quantized - exact), rms(with_bf16 - exact)
+    assert rms(with_int8 - exact) < 1.25 * (quantization + rounding)
     assert rms(with_int8 - exact) < 0.015 * exact.std()
     # A row's step is max |x| / 127; these rows' largest |x| is about 4.
     assert (with_int8 - exact).abs().max() < 0.03
