@@ -9,13 +9,17 @@ are the same bit for bit (tests/model/test_fused_layers.py), without the Python 
 
 A layer is fused where it is Llama's (plain attention, a SiLU MLP, no sliding window or soft cap)
 and all of it runs on those kernels: the cpu_paged attention backend over a bf16 cache (never an
-int8 one, which only the int8 path reads) with the tiled prefill kernel built for its shape
-(AVX-512 BF16) and no AMX attention (which the C++ call does not take), its four projections all in
-bf16 panels (kernels/linear.py) or all in GGUF blocks (kernels/gguf_blocks.py), no biases but the
-QKV projection's, and no tensor parallelism (the row-parallel projections' all-reduce stays in
-Python). A layer in GGUF blocks runs fused up to `GEMV_MAX_ROWS` tokens a step; a larger step (a
-long prefill chunk) runs it layer by layer, whose products take the int8 kernel or dequantized
-panels as `kernels.quant_linear.gemv_serves` says. Anywhere else the layer's own forward runs.
+int8 one, which only the int8 path reads) and no AMX attention (which the C++ call does not take),
+its four projections all in bf16 panels (kernels/linear.py) or all in GGUF blocks
+(kernels/gguf_blocks.py), no biases but the QKV projection's, and no tensor parallelism (the
+row-parallel projections' all-reduce stays in Python). Decode rows attend through the paged decode
+kernel (or the cascade one, as the layer-by-layer forward would). Prefill rows need the tiled
+prefill kernel built for the layer's shape (AVX-512 BF16): a layer in panels is fused only with it;
+a layer in GGUF blocks, which also runs on AVX2 machines without it, is fused there for steps of
+decode rows alone and runs a step with prefill rows layer by layer. A layer in GGUF blocks runs
+fused up to `GEMV_MAX_ROWS` tokens a step; a larger step (a long prefill chunk) runs it layer by
+layer, whose products take the int8 kernel or dequantized panels as
+`kernels.quant_linear.gemv_serves` says. Anywhere else the layer's own forward runs.
 """
 
 from __future__ import annotations
@@ -46,8 +50,11 @@ def projection_args(weight: torch.Tensor | BlockLinearWeight) -> ProjectionArgs:
 class FusedDecoderLayer:
     """One DecoderLayer's weights and shapes, called as `layer(positions, hidden, residual)`."""
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: DecoderLayer, prefills_fused: bool) -> None:
         attention, mlp = layer.self_attn, layer.mlp
+        # Without the tiled prefill kernel a step with prefill rows runs layer by layer, and decode
+        # rows never take the cascade kernel (it is the tiled kernel's too).
+        self.prefills_fused = prefills_fused
         self.layer_index = attention.attn.layer_index
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
         self.scale = attention.attn.scale
@@ -71,6 +78,8 @@ class FusedDecoderLayer:
             return None
         context = get_forward_context()
         meta = context.attn_metadata
+        if not self.prefills_fused and meta.num_decodes < meta.num_seqs:
+            return None
         return torch.ops.raypage.llama_decoder_layer(
             hidden,
             residual,
@@ -90,7 +99,7 @@ class FusedDecoderLayer:
             meta.seq_lens,
             meta.query_start_loc_tensor,
             meta.num_decodes,
-            cascade_blocks(meta),
+            cascade_blocks(meta) if self.prefills_fused else 0,
             self.num_heads,
             self.num_kv_heads,
             self.eps,
@@ -115,6 +124,8 @@ def fusable(
         return False
     if attention_backend is not cpu_paged_attention or attention.o_proj.tp_size != 1:
         return False
+    if kv_cache_dtype != torch.bfloat16:
+        return False
     projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
     in_panels = (
         _in_panels(attention.qkv_proj.weight)
@@ -122,16 +133,27 @@ def fusable(
         and _in_panels(mlp.gate_up_proj.weight, shards=2)
         and _in_panels(mlp.down_proj.weight)
     )
-    if not (in_panels or all(isinstance(proj.weight, BlockLinearWeight) for proj in projections)):
-        return False
+    in_blocks = all(isinstance(proj.weight, BlockLinearWeight) for proj in projections)
     if any(proj.bias is not None for proj in projections[1:]):
         return False
-    head_dim = attention.head_dim
-    query = torch.empty(0, attention.num_heads, head_dim, dtype=torch.bfloat16)
-    cache = torch.empty(2, attention.num_kv_heads, 0, block_size, head_dim, dtype=kv_cache_dtype)
     # Where AMX attends, the layer-by-layer forward takes it for the whole batch: the C++ call
     # would attend by other kernels, with other roundings.
-    return tiled_serves(query, cache) and not amx_serves(cache)
+    if amx_serves(_empty_cache(layer, block_size)):
+        return False
+    return in_blocks or (in_panels and prefills_fuse(layer, block_size))
+
+
+def _empty_cache(layer: DecoderLayer, block_size: int) -> torch.Tensor:
+    attention = layer.self_attn
+    return torch.empty(2, attention.num_kv_heads, 0, block_size, attention.head_dim, dtype=torch.bfloat16)
+
+
+def prefills_fuse(layer: DecoderLayer, block_size: int) -> bool:
+    """Whether the tiled prefill kernel is built for the layer's shape here, so that the fused call
+    takes prefill rows too."""
+    attention = layer.self_attn
+    query = torch.empty(0, attention.num_heads, attention.head_dim, dtype=torch.bfloat16)
+    return tiled_serves(query, _empty_cache(layer, block_size))
 
 
 def fuse_decoder_layers(
@@ -144,6 +166,6 @@ def fuse_decoder_layers(
         if isinstance(module, DecoderLayer) and fusable(
             module, attention_backend, block_size, kv_cache_dtype
         ):
-            module.fused = FusedDecoderLayer(module)
+            module.fused = FusedDecoderLayer(module, prefills_fuse(module, block_size))
             fused += 1
     return fused

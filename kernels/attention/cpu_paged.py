@@ -51,9 +51,9 @@ layers only.
 `python -m benchmarks.bench_attention [--prefill] [--cold]` times these paths. The backend needs
 `kernels.build.cpu_kernels_available()`; where the kernels cannot be built the selector hands out
 the sdpa backend instead (kernels/attention/selector.py). A fused decoder layer
-(engine/models/fused_layers.py, only where the tiled kernel serves and the AMX one does not, the
-linears in panels or GGUF blocks) makes the same decode and prefill choices in C++, from
-`cascade_blocks` here.
+(engine/models/fused_layers.py, where the AMX kernel does not attend, the linears in panels or GGUF
+blocks) makes the same decode and prefill choices in C++, from `cascade_blocks` here; where the
+tiled kernel does not serve, only its steps of decode rows alone run fused.
 """
 
 from __future__ import annotations
