@@ -34,7 +34,8 @@ def attention_fuses(num_heads: int, num_kv_heads: int) -> bool:
     if not cpu_kernels_available():
         return False
     query = torch.empty(0, num_heads, 64, dtype=torch.bfloat16)
-    return tiled_serves(query, _bf16_cache(num_kv_heads)) and not amx_serves(_bf16_cache(num_kv_heads))
+    cache = _bf16_cache(num_kv_heads)
+    return tiled_serves(query, cache) and not amx_serves(cache)
 
 
 def gguf_layers_fuse(num_kv_heads: int) -> bool:
